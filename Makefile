@@ -1,0 +1,31 @@
+# Two entry points do all the set-up on a fresh machine:
+#   make run   - create .venv, install, train the embedded tiny model with GRPO on arithmetic
+#   make test  - create .venv, install with test extras, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+# torch first, pinned: a bare `torch` requirement would pull the multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+STEPS  ?= 30
+
+.PHONY: run test install venv clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[server,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/opentinker-train trainer.total_training_steps=$(STEPS) $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

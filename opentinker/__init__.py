@@ -1,0 +1,10 @@
+"""OpenTinker: reinforcement learning of LLMs as a service.
+
+This top-level package is the thin client side: it must import without torch,
+transformers or ray (``tests/test_client_imports.py`` keeps it so). The training
+engine lives in :mod:`opentinker.engine` and is only imported on the server.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]
