@@ -1,0 +1,146 @@
+"""A training batch of token sequences and the two ways to feed it to a model.
+
+``TokenBatch`` keeps ragged token lists (exactly what rollout produced) plus response-aligned
+tensors [B, R], right-padded to the longest response R. The model sees either a padded
+[B, L] matrix or, with ``use_remove_padding``, one packed row where position ids restart at
+each sequence, so no compute is spent on pad tokens. Both give the same logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    """B sequences of ``prompt_ids[i] + response_ids[i]``.
+
+    ``response_mask[i, j]`` is 1 where ``response_ids[i][j]`` is a model token to train on,
+    0 on environment tokens and on padding past the response. ``tensors`` holds other
+    response-aligned [B, R] values (old/ref logprobs, advantages) under their names.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_mask: torch.Tensor
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) != len(self.response_ids):
+            raise ValueError("TokenBatch: prompt_ids and response_ids differ in length")
+        width = max((len(r) for r in self.response_ids), default=0)
+        if tuple(self.response_mask.shape) != (len(self), width):
+            raise ValueError(
+                f"TokenBatch: response_mask has shape {tuple(self.response_mask.shape)}, "
+                f"expected ({len(self)}, {width})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_width(self) -> int:
+        return self.response_mask.shape[1]
+
+    @classmethod
+    def from_responses(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> "TokenBatch":
+        """Right-pad ragged responses; without masks every response token is a model token."""
+        width = max((len(r) for r in response_ids), default=0)
+        mask = torch.zeros((len(response_ids), width), dtype=torch.float32)
+        for row, response in enumerate(response_ids):
+            row_mask = response_masks[row] if response_masks is not None else [1] * len(response)
+            if len(row_mask) != len(response):
+                raise ValueError(f"TokenBatch: response_mask of row {row} does not match its response length")
+            mask[row, : len(response)] = torch.tensor(row_mask, dtype=torch.float32)
+        return cls([list(p) for p in prompt_ids], [list(r) for r in response_ids], mask)
+
+    def pad_response_values(self, values: Sequence[Sequence[float]]) -> torch.Tensor:
+        """Ragged per-token values -> [B, R] aligned with ``response_mask`` (0 beyond each row)."""
+        out = torch.zeros((len(self), self.response_width), dtype=torch.float32)
+        for row, row_values in enumerate(values):
+            out[row, : len(row_values)] = torch.tensor(row_values, dtype=torch.float32)
+        return out
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> "TokenBatch":
+        """A sub-batch; response tensors are trimmed to the sub-batch's longest response."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        rows = index.tolist()
+        width = max((len(self.response_ids[r]) for r in rows), default=0)
+        return TokenBatch(
+            [self.prompt_ids[r] for r in rows],
+            [self.response_ids[r] for r in rows],
+            self.response_mask[index, :width],
+            {name: t[index, :width] for name, t in self.tensors.items()},
+        )
+
+    def split(self, size: int) -> list["TokenBatch"]:
+        return [self.select(range(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
+
+
+@dataclass
+class ModelInputs:
+    """What one forward pass takes, plus where each response token's logit lives.
+
+    ``logit_rows``/``logit_cols`` index the flattened [rows, positions] grid of the forward
+    pass: entry (i, j) of the response grid is predicted at position ``logit_cols`` of row
+    ``logit_rows`` (the position before the token). ``valid`` is False past each response.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    logit_rows: torch.Tensor
+    logit_cols: torch.Tensor
+    targets: torch.Tensor
+    valid: torch.Tensor
+
+
+def _response_grid(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R] response token ids (0 past the end) and the validity mask."""
+    targets = torch.zeros((len(batch), batch.response_width), dtype=torch.long)
+    valid = torch.zeros_like(targets, dtype=torch.bool)
+    for row, response in enumerate(batch.response_ids):
+        targets[row, : len(response)] = torch.tensor(response, dtype=torch.long)
+        valid[row, : len(response)] = True
+    return targets, valid
+
+
+def padded_inputs(batch: TokenBatch, pad_token_id: int) -> ModelInputs:
+    """[B, L] right-padded sequences with an attention mask."""
+    sequences = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(batch), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, : len(sequence)] = 1
+    position_ids = torch.arange(length).expand(len(batch), length).contiguous()
+    targets, valid = _response_grid(batch)
+    width = batch.response_width
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids])
+    cols = (prompt_lengths.unsqueeze(-1) - 1 + torch.arange(width)).clamp(max=length - 1)
+    rows = torch.arange(len(batch)).unsqueeze(-1).expand(len(batch), width)
+    return ModelInputs(input_ids, position_ids, attention_mask, rows, cols, targets, valid)
+
+
+def packed_inputs(batch: TokenBatch) -> ModelInputs:
+    """One [1, total] row; position ids restart at 0 for each sequence (no attention mask)."""
+    sequences = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    input_ids = torch.tensor([token for s in sequences for token in s], dtype=torch.long).unsqueeze(0)
+    position_ids = torch.cat([torch.arange(len(s)) for s in sequences]).unsqueeze(0)
+    targets, valid = _response_grid(batch)
+    width = batch.response_width
+    starts = torch.tensor([0] + [len(s) for s in sequences[:-1]]).cumsum(0)
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids])
+    total = input_ids.shape[1]
+    cols = (starts.unsqueeze(-1) + prompt_lengths.unsqueeze(-1) - 1 + torch.arange(width)).clamp(max=total - 1)
+    rows = torch.zeros_like(cols)
+    return ModelInputs(input_ids, position_ids, None, rows, cols, targets, valid)

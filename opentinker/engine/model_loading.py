@@ -1,0 +1,82 @@
+"""Load a causal LM and its tokenizer from a local folder or a hub name, with clear errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class ModelLoadError(ValueError):
+    """The model path or name cannot be loaded; the message says which and why."""
+
+
+def resolve_model_path(path: str | None) -> str:
+    """``None`` means the embedded tiny model (built once into the user cache)."""
+    if path is None:
+        from opentinker.engine.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    expanded = os.path.expanduser(str(path))
+    looks_local = expanded.startswith((".", "/", "~")) or os.sep in expanded and os.path.exists(
+        expanded.split(os.sep)[0]
+    )
+    if looks_local and not Path(expanded).exists():
+        raise ModelLoadError(
+            f"actor_rollout_ref.model.path: the folder '{path}' does not exist "
+            "(give a local Hugging Face model folder, a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', "
+            "or leave it unset for the embedded tiny model)"
+        )
+    if Path(expanded).exists() and not (Path(expanded) / "config.json").exists():
+        raise ModelLoadError(f"actor_rollout_ref.model.path: '{path}' has no config.json, so it is not a model folder")
+    return expanded
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise ModelLoadError(f"cannot load a tokenizer from '{path}': {error}") from error
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot load a model from '{path}': {error}. A hub name needs network access or a "
+            "local copy in the Hugging Face cache."
+        ) from error
+    return model.to(device)
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("trainer.device=cuda but no CUDA device is available")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    """Every id that ends an assistant turn: the tokenizer's eos and the generation config's."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    generation_eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(generation_eos)
+    return sorted(ids)
