@@ -81,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
             "gpu_memory_utilization": 0.5,
             "max_batch_size": 256,  # concurrent sequences in one generate call
             "val_temperature": 0.0,  # greedy validation
+            "ignore_eos": False,  # always generate data.max_response_length tokens (benchmarks)
         },
     },
     "algorithm": {

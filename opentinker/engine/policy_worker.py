@@ -82,7 +82,9 @@ class PolicyWorker:
         self.use_remove_padding = bool(cfg.model.use_remove_padding)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None
         if cfg.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed gradient_checkpointing_enable; accept either.
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable()
             self.model.config.use_cache = False
         optim = self.actor_cfg.optim
         self.optimizer = torch.optim.AdamW(

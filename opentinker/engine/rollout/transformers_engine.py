@@ -56,10 +56,10 @@ class TransformersRolloutEngine:
     # -- weights -------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        # keep_vars: the live tensors, tied ones (lm_head = embeddings) under both names.
+        targets = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors.items():
-            target = params.get(name)
+            target = targets.get(name)
             if target is None:
                 raise KeyError(f"update_weights: the rollout model has no tensor named '{name}'")
             if target.data_ptr() != tensor.data_ptr():

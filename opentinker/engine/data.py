@@ -1,0 +1,93 @@
+"""Prompts for training: dataset rows -> chat-templated token ids, served in shuffled batches."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from opentinker.environments import arithmetic
+
+RewardFn = Callable[[str, dict[str, Any]], float]
+"""``reward_fn(response_text, row) -> float``: scores one response to a dataset row."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dataset row, tokenized once. ``uid`` groups the n samples drawn for it."""
+
+    uid: str
+    prompt_ids: list[int]
+    row: dict[str, Any]
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template plus the assistant prompt."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def tokenize_rows(
+    rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int, split: str
+) -> list[Prompt]:
+    """Apply the chat template to each row's ``prompt`` messages; too-long prompts are an error."""
+    prompts = []
+    for index, row in enumerate(rows):
+        messages = row.get("prompt")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{split} row {index}: 'prompt' must be a non-empty list of chat messages")
+        ids = chat_prompt_ids(tokenizer, messages)
+        if len(ids) > max_prompt_length:
+            raise ValueError(
+                f"{split} row {index}: prompt has {len(ids)} tokens, more than "
+                f"data.max_prompt_length={max_prompt_length}"
+            )
+        prompts.append(Prompt(uid=f"{split}-{index}", prompt_ids=ids, row=row))
+    return prompts
+
+
+class PromptLoader:
+    """Endless batches of prompts; reshuffled every epoch from ``seed``."""
+
+    def __init__(self, prompts: Sequence[Prompt], batch_size: int, shuffle: bool, seed: int):
+        if len(prompts) < batch_size:
+            raise ValueError(f"the dataset has {len(prompts)} rows, fewer than data.train_batch_size={batch_size}")
+        self.prompts = list(prompts)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self._rng = random.Random(seed)
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[Prompt]]:
+        while True:
+            order = list(range(len(self.prompts)))
+            if self.shuffle:
+                self._rng.shuffle(order)
+            for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
+                yield [self.prompts[i] for i in order[start : start + self.batch_size]]
+            self.epoch += 1
+
+
+def arithmetic_reward(response: str, row: dict[str, Any]) -> float:
+    return arithmetic.score_answer(response, row["reward_model"]["ground_truth"])
+
+
+BUILTIN_TASKS: dict[str, Callable[[int, int], tuple[list[dict], list[dict], RewardFn]]] = {
+    "arithmetic": lambda train_count, val_count: (
+        [p.as_row() for p in arithmetic.make_problems(train_count, arithmetic.TRAIN_SEED, "train")],
+        [p.as_row() for p in arithmetic.make_problems(val_count, arithmetic.HELDOUT_SEED, "heldout")],
+        arithmetic_reward,
+    ),
+}
+
+
+def builtin_task(name: str, train_count: int = 4096, val_count: int = 64) -> tuple[list[dict], list[dict], RewardFn]:
+    """Train rows, held-out rows and the reward function of a built-in task."""
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"data.task: unknown task '{name}'; built-in tasks: {sorted(BUILTIN_TASKS)}")
+    return BUILTIN_TASKS[name](train_count, val_count)

@@ -1,0 +1,313 @@
+"""The RL trainer: one function per phase, read top to bottom.
+
+A step is: rollout (n samples per prompt) -> rewards -> old/ref logprobs -> advantages ->
+update -> weight sync -> metrics. Everything heavy sits behind two objects: the policy
+``WorkerGroup`` (training) and the ``RolloutEngine`` (sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from opentinker.config import ConfigError, make_config
+from opentinker.engine.algorithms import get_advantage_estimator, masked_mean
+from opentinker.engine.batch import TokenBatch
+from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
+from opentinker.engine.model_loading import (
+    eos_token_ids,
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+    resolve_model_path,
+)
+from opentinker.engine.policy_worker import WorkerGroup, make_worker_group
+from opentinker.engine.rollout import Completion, RolloutEngine, SamplingParams, make_rollout_engine
+
+StepCallback = Callable[[int, dict[str, float]], None]
+StrategyLabeler = Callable[[Prompt, Sequence[str]], Sequence[Any]]
+"""Labels the n responses of one prompt by solution strategy (grpo_weighted_*)."""
+
+
+@dataclass
+class Rollout:
+    """The samples of one step, in prompt-major order (n consecutive samples per prompt)."""
+
+    prompts: list[Prompt]  # one entry per sample
+    completions: list[Completion]
+    texts: list[str]
+    rewards: list[float]
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    """Trains a causal LM with PPO-style updates on rewards from ``reward_fn``."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        *,
+        train_rows: Sequence[dict] | None = None,
+        val_rows: Sequence[dict] | None = None,
+        reward_fn: RewardFn | None = None,
+        strategy_labeler: StrategyLabeler | None = None,
+    ):
+        self.cfg = cfg
+        if cfg.algorithm.adv_estimator == "gae":
+            raise ConfigError(
+                "algorithm.adv_estimator=gae needs a critic (value model), which this trainer does not "
+                "train yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline"
+            )
+        self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.strategy_labeler = strategy_labeler
+        torch.manual_seed(cfg.trainer.seed)
+
+        if train_rows is None or reward_fn is None:
+            task_train, task_val, task_reward = builtin_task(cfg.data.task, val_count=cfg.data.val_batch_size)
+            train_rows = task_train if train_rows is None else train_rows
+            val_rows = task_val if val_rows is None else val_rows
+            reward_fn = reward_fn or task_reward
+        self.reward_fn = reward_fn
+
+        ar = cfg.actor_rollout_ref
+        self.device = pick_device(cfg.trainer.device)
+        self.model_path = resolve_model_path(ar.model.path)
+        self.tokenizer = load_tokenizer(self.model_path, ar.model.trust_remote_code)
+        self.train_prompts = tokenize_rows(train_rows, self.tokenizer, cfg.data.max_prompt_length, "train")
+        self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, cfg.data.max_prompt_length, "val")
+        self.loader = iter(PromptLoader(self.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed))
+
+        actor_model = load_causal_lm(self.model_path, device=self.device, trust_remote_code=ar.model.trust_remote_code)
+        self.eos_ids = eos_token_ids(self.tokenizer, actor_model)
+        self.workers: WorkerGroup = make_worker_group(cfg, actor_model, self.tokenizer.pad_token_id)
+        self.rollout: RolloutEngine = self._make_rollout_engine()
+        self.global_step = 0
+
+    def _make_rollout_engine(self) -> RolloutEngine:
+        ar = self.cfg.actor_rollout_ref
+        if ar.rollout.name == "vllm":
+            return make_rollout_engine(
+                "vllm", model_path=self.model_path, gpu_memory_utilization=ar.rollout.gpu_memory_utilization,
+                seed=self.cfg.trainer.seed,
+            )
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, trust_remote_code=ar.model.trust_remote_code)
+        return make_rollout_engine(
+            "transformers",
+            model=model,
+            eos_token_ids=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            seed=self.cfg.trainer.seed,
+            max_batch_size=ar.rollout.max_batch_size,
+        )
+
+    # -- phases --------------------------------------------------------------------
+    def sampling_params(self, validation: bool = False) -> SamplingParams:
+        rollout = self.cfg.actor_rollout_ref.rollout
+        return SamplingParams(
+            temperature=rollout.val_temperature if validation else rollout.temperature,
+            top_p=1.0 if validation else rollout.top_p,
+            top_k=-1 if validation else rollout.top_k,
+            max_tokens=self.cfg.data.max_response_length,
+            ignore_eos=False if validation else rollout.ignore_eos,
+        )
+
+    def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
+        """Sample, decode and score ``samples_per_prompt`` responses to each prompt."""
+        per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
+        completions = self.rollout.generate([p.prompt_ids for p in per_sample], self.sampling_params(validation))
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        rewards = [float(self.reward_fn(text, p.row)) for text, p in zip(texts, per_sample)]
+        return Rollout(per_sample, completions, texts, rewards)
+
+    def to_batch(self, rollout: Rollout) -> TokenBatch:
+        batch = TokenBatch.from_responses(
+            [p.prompt_ids for p in rollout.prompts], [c.token_ids for c in rollout.completions]
+        )
+        batch.tensors["rollout_logprobs"] = batch.pad_response_values([c.logprobs for c in rollout.completions])
+        return batch
+
+    @staticmethod
+    def token_rewards(batch: TokenBatch, rewards: Sequence[float]) -> torch.Tensor:
+        """Each scalar reward placed on its response's last model token (mask = 1)."""
+        token_rewards = torch.zeros_like(batch.response_mask)
+        positions = torch.arange(batch.response_width).expand_as(batch.response_mask)
+        last = torch.where(batch.response_mask > 0, positions, -1).max(dim=-1).values
+        for row, (position, reward) in enumerate(zip(last.tolist(), rewards)):
+            if position >= 0:
+                token_rewards[row, position] = reward
+        return token_rewards
+
+    def is_on_policy(self) -> bool:
+        """One epoch over one mini-batch: the update starts from the sampling policy itself."""
+        actor = self.cfg.actor_rollout_ref.actor
+        return actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == self.cfg.data.train_batch_size
+
+    def compute_advantages(self, batch: TokenBatch, rollout: Rollout) -> dict[str, float]:
+        algorithm = self.cfg.algorithm
+        labels = None
+        if algorithm.adv_estimator.startswith("grpo_weighted"):
+            labels = self.strategy_labels(rollout)
+        advantages, returns, metrics = self.estimator(
+            self.token_rewards(batch, rollout.rewards),
+            batch.response_mask,
+            [p.uid for p in rollout.prompts],
+            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+            gamma=algorithm.gamma,
+            lam=algorithm.lam,
+            weight_power=algorithm.weight_power,
+            strategy_labels=labels,
+        )
+        batch.tensors["advantages"] = advantages
+        return {**metrics, "advantages/mean": float(masked_mean(advantages, batch.response_mask))}
+
+    def strategy_labels(self, rollout: Rollout) -> list[Any]:
+        """Without a labeler every response is its own strategy-less sample (weight 1)."""
+        if self.strategy_labeler is None:
+            return [None] * len(rollout.prompts)
+        n = self.cfg.actor_rollout_ref.rollout.n
+        labels: list[Any] = []
+        for start in range(0, len(rollout.prompts), n):
+            labels.extend(self.strategy_labeler(rollout.prompts[start], rollout.texts[start : start + n]))
+        return labels
+
+    def sync_weights(self) -> None:
+        self.rollout.update_weights(self.workers.state_dict())
+
+    # -- one step ------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        cfg = self.cfg
+        temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
+        timer = Timer()
+        with timer.phase("step"):
+            prompts = next(self.loader)
+            with timer.phase("rollout"):
+                rollout = self.generate(prompts, cfg.actor_rollout_ref.rollout.n)
+            batch = self.to_batch(rollout)
+            if not self.is_on_policy():
+                with timer.phase("old_logprob"):
+                    batch.tensors["old_logprobs"] = self.workers.compute_logprobs(batch, temperature=temperature)["logprobs"]
+            if cfg.actor_rollout_ref.actor.use_kl_loss:
+                with timer.phase("ref_logprob"):
+                    batch.tensors["ref_logprobs"] = self.workers.compute_logprobs(
+                        batch, temperature=temperature, reference=True
+                    )["logprobs"]
+            with timer.phase("advantages"):
+                adv_metrics = self.compute_advantages(batch, rollout)
+            with timer.phase("update"):
+                update_metrics = self.workers.update(batch, temperature=temperature)
+            with timer.phase("sync"):
+                self.sync_weights()
+        self.global_step += 1
+        return {
+            **self.rollout_metrics(rollout, batch),
+            **adv_metrics,
+            **update_metrics,
+            **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
+            "perf/tokens_per_s": self.token_count(batch) / timer.seconds["step"],
+        }
+
+    @staticmethod
+    def token_count(batch: TokenBatch) -> int:
+        return sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+
+    def rollout_metrics(self, rollout: Rollout, batch: TokenBatch) -> dict[str, float]:
+        rewards = torch.tensor(rollout.rewards)
+        lengths = batch.response_mask.sum(-1)
+        truncated = sum(c.finish_reason == "length" for c in rollout.completions)
+        return {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/max": float(rewards.max()),
+            "reward/min": float(rewards.min()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": truncated / len(rollout.completions),
+        }
+
+    # -- validation and checkpoints -------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        if not self.val_prompts:
+            return {}
+        rollout = self.generate(self.val_prompts, 1, validation=True)
+        return {"val/accuracy": sum(r > 0 for r in rollout.rewards) / len(rollout.rewards),
+                "val/reward_mean": sum(rollout.rewards) / len(rollout.rewards)}
+
+    def save_checkpoint(self) -> Path | None:
+        root = self.cfg.trainer.default_local_dir
+        if not root:
+            return None
+        path = Path(root) / f"global_step_{self.global_step}" / "actor"
+        return self.workers.save_checkpoint(path, self.tokenizer)
+
+    # -- the loop ------------------------------------------------------------------
+    def fit(self, on_step: StepCallback | None = None) -> list[dict[str, float]]:
+        """Train for ``trainer.total_training_steps``; returns every step's metrics."""
+        trainer_cfg = self.cfg.trainer
+        total = trainer_cfg.total_training_steps
+        history: list[dict[str, float]] = []
+        progress = _progress_bar(total, trainer_cfg.progress_bar)
+        last_val: dict[str, float] = {}
+        if trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
+            last_val = self.validate()
+            history.append({"step": 0, **last_val})
+            progress.write(f"step 0: {_format(last_val)}")
+        for _ in range(total):
+            metrics = {"step": self.global_step + 1, **self.step()}
+            done = self.global_step == total
+            if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or done):
+                last_val = self.validate()
+                metrics.update(last_val)
+                progress.write(f"step {self.global_step}: {_format(last_val)}")
+            if trainer_cfg.save_freq > 0 and self.global_step % trainer_cfg.save_freq == 0 or done:
+                path = self.save_checkpoint()
+                if path is not None:
+                    metrics["checkpoint"] = str(path)  # type: ignore[assignment]
+            history.append(metrics)
+            progress.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                kl=f"{metrics.get('actor/kl', 0.0):.4f}",
+                val=f"{last_val.get('val/accuracy', float('nan')):.3f}",
+            )
+            progress.update(1)
+            if on_step is not None:
+                on_step(self.global_step, metrics)
+        progress.close()
+        return history
+
+
+def _format(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="GRPO steps", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def train(overrides: Sequence[str] | dict | None = None, **trainer_kwargs) -> list[dict[str, float]]:
+    """Build the config from defaults + ``overrides`` and run :meth:`RLTrainer.fit`."""
+    cfg = make_config(overrides)
+    return RLTrainer(cfg, **trainer_kwargs).fit()
+
+
+def config_summary(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

@@ -1,0 +1,49 @@
+"""Shared fixtures. The embedded tiny model is built once per machine into the user cache."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    from opentinker.engine.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from opentinker.engine.model_loading import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture
+def tiny_model(tiny_model_dir):
+    """A fresh copy per test, so tests that train never leak weights into each other."""
+    from opentinker.engine.model_loading import load_causal_lm
+
+    return load_causal_lm(str(tiny_model_dir)).eval()
+
+
+@pytest.fixture
+def arithmetic_prompt_ids(tiny_tokenizer):
+    from opentinker.engine.data import chat_prompt_ids
+    from opentinker.environments.arithmetic import make_problems
+
+    return [chat_prompt_ids(tiny_tokenizer, p.messages()) for p in make_problems(6, seed=11)]
+
+
+@pytest.fixture
+def make_worker(tiny_model_dir, tiny_tokenizer):
+    """``make_worker(*overrides)``: a policy worker on a fresh copy of the tiny model."""
+    from opentinker.config import make_config
+    from opentinker.engine.model_loading import load_causal_lm
+    from opentinker.engine.policy_worker import make_worker_group
+
+    def make(*overrides: str):
+        cfg = make_config(list(overrides))
+        return make_worker_group(cfg, load_causal_lm(str(tiny_model_dir)), tiny_tokenizer.pad_token_id)
+
+    return make

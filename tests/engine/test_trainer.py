@@ -1,0 +1,90 @@
+"""The trainer on the real tiny model: bad input, phases, and GRPO improving arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opentinker.config import ConfigError, make_config
+from opentinker.engine.batch import TokenBatch
+from opentinker.engine.model_loading import ModelLoadError
+from opentinker.engine.trainer import RLTrainer
+
+FAST = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "data.val_batch_size=8",
+    "trainer.progress_bar=false",
+]
+
+
+def test_missing_model_path_fails_before_training(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        RLTrainer(make_config([f"actor_rollout_ref.model.path={tmp_path}/nope", *FAST]))
+
+
+def test_gae_without_a_critic_is_a_clear_error():
+    with pytest.raises(ConfigError, match="needs a critic"):
+        RLTrainer(make_config(["algorithm.adv_estimator=gae", *FAST]))
+
+
+def test_reward_lands_on_the_last_model_token():
+    batch = TokenBatch.from_responses([[1], [1], [1]], [[5, 6, 7], [5, 6, 7, 8], [5]], [[1, 1, 0], [1, 0, 1, 0], [1]])
+    rewards = RLTrainer.token_rewards(batch, [1.0, 2.0, 3.0])
+    assert rewards.tolist() == [[0, 1.0, 0, 0], [0, 0, 2.0, 0], [3.0, 0, 0, 0]]
+
+
+def test_step_reports_every_phase_and_trains(tiny_model_dir):
+    trainer = RLTrainer(make_config([*FAST, "actor_rollout_ref.actor.use_kl_loss=true",
+                                     "actor_rollout_ref.actor.optim.lr=1e-3"]))
+    before = {k: v.clone() for k, v in trainer.workers.state_dict().items()}
+    metrics = trainer.step()
+    for key in ("reward/mean", "reward/std", "actor/kl", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm",
+                "response_length/mean", "timing_s/rollout", "timing_s/ref_logprob", "timing_s/update",
+                "timing_s/sync", "perf/tokens_per_s"):
+        assert key in metrics, key
+    assert "timing_s/old_logprob" not in metrics  # on-policy: no separate old-logprob pass
+    after = trainer.workers.state_dict()
+    if metrics["reward/std"] > 0:  # some group had different rewards, so there was a gradient
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    # the rollout engine samples from the updated weights
+    rollout_weights = trainer.rollout.model.state_dict()
+    assert all(torch.equal(rollout_weights[k], after[k]) for k in after)
+
+
+def test_off_policy_config_computes_old_logprobs(tiny_model_dir):
+    trainer = RLTrainer(make_config([*FAST, "actor_rollout_ref.actor.ppo_epochs=2"]))
+    metrics = trainer.step()
+    assert "timing_s/old_logprob" in metrics
+    assert metrics["actor/optimizer_steps"] == 2
+
+
+def test_cli_rejects_unknown_keys_with_a_suggestion():
+    result = subprocess.run(
+        [sys.executable, "-m", "opentinker.engine.train_cli", "actor_rollout_ref.rollout.temprature=0.5"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "did you mean 'actor_rollout_ref.rollout.temperature'" in result.stderr
+
+
+def test_cli_rejects_grpo_with_one_sample():
+    result = subprocess.run(
+        [sys.executable, "-m", "opentinker.engine.train_cli", "actor_rollout_ref.rollout.n=1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "rollout.n >= 2" in result.stderr
+
+
+def test_checkpoints_are_written_as_hugging_face_folders(tiny_model_dir, tmp_path):
+    trainer = RLTrainer(make_config([*FAST, "trainer.total_training_steps=2", "trainer.save_freq=1",
+                                     "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}"]))
+    history = trainer.fit()
+    assert [m.get("checkpoint") for m in history] == [
+        str(tmp_path / "global_step_1" / "actor"), str(tmp_path / "global_step_2" / "actor")]
+    assert (tmp_path / "global_step_2" / "actor" / "config.json").exists()
