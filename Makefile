@@ -6,7 +6,10 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # torch first, pinned: a bare `torch` requirement would pull the multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
-STEPS  ?= 30
+STEPS  ?= 150
+# Settings for the embedded tiny model (the config defaults are verl's, sized for real LLMs).
+RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl_loss=true \
+            trainer.test_freq=25 data.val_batch_size=200
 
 .PHONY: run test install venv clean
 
@@ -22,7 +25,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 install: $(VENV)/.installed
 
 run: install
-	$(VENV)/bin/opentinker-train trainer.total_training_steps=$(STEPS) $(ARGS)
+	$(VENV)/bin/opentinker-train trainer.total_training_steps=$(STEPS) $(RUN_ARGS) $(ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

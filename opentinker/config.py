@@ -34,7 +34,9 @@ DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {
         "model": {
             "path": None,  # None -> the embedded tiny model
-            "use_remove_padding": True,  # packed sequences: no compute on pad tokens
+            # Packed sequences skip pad tokens, but only a varlen attention kernel (flash-attn on
+            # GPU) exploits that; with sdpa on CPU one long masked row is far slower than padding.
+            "use_remove_padding": False,
             "enable_gradient_checkpointing": False,
             "trust_remote_code": False,
         },

@@ -157,3 +157,14 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_sampler_draws_from_the_distribution(engine):
+    """20k draws from a known distribution: frequencies within 1.5 percentage points,
+    and a token with probability zero (filtered to -inf) is never drawn."""
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    logits = torch.log(probs).expand(20_000, -1).contiguous()  # log(0) = -inf
+    draws = engine._sample(logits, list(range(20_000)), [None] * 20_000)
+    frequencies = torch.bincount(draws, minlength=5).float() / 20_000
+    assert frequencies[1] == 0
+    assert torch.allclose(frequencies, probs, atol=0.015)

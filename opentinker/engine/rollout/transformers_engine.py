@@ -72,6 +72,23 @@ class TransformersRolloutEngine:
         """See :meth:`sleep`."""
 
     # -- generation ----------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: list[int], generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Inverse-CDF sampling: one uniform number per row, drawn from the row's own
+        generator when its request has a seed (cheap, and independent of the batch)."""
+        uniform = torch.empty(len(rows), dtype=torch.float64)
+        shared = [i for i, row in enumerate(rows) if generators[row] is None]
+        if shared:
+            uniform[shared] = torch.rand(len(shared), generator=self._generator, dtype=torch.float64)
+        for i, row in enumerate(rows):
+            if generators[row] is not None:
+                uniform[i] = torch.rand(1, generator=generators[row], dtype=torch.float64)
+        cdf = torch.softmax(logits.double(), dim=-1).cumsum(-1)
+        # Scale by the total so rounding can never leave u above the last bin.
+        target = (uniform.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+        # right=True: the first bin whose cdf exceeds u, so a zero-probability token never wins.
+        return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -138,16 +155,7 @@ class TransformersRolloutEngine:
             sample_logits = (
                 _filter_top_k_top_p(logits, top_k[active], top_p[active]) if needs_filter else logits
             )
-            # Gumbel-free exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
-            noise = torch.empty_like(sample_logits, device="cpu")
-            shared = [i for i, row in enumerate(rows) if generators[row] is None]
-            if shared:
-                noise[shared] = noise[shared].exponential_(generator=self._generator)
-            for i, row in enumerate(rows):
-                if generators[row] is not None:
-                    noise[i].exponential_(generator=generators[row])
-            scores = torch.softmax(sample_logits, dim=-1) / noise.to(device)
-            chosen = torch.where(greedy[active], sample_logits.argmax(-1), scores.argmax(-1))
+            chosen = torch.where(greedy[active], sample_logits.argmax(-1), self._sample(sample_logits, rows, generators))
             chosen_logprobs = token_logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
 
             keep: list[int] = []
