@@ -37,6 +37,9 @@ DEFAULTS: dict[str, Any] = {
             # Packed sequences skip pad tokens, but only a varlen attention kernel (flash-attn on
             # GPU) exploits that; with sdpa on CPU one long masked row is far slower than padding.
             "use_remove_padding": False,
+            # Run each distinct prompt once and reuse its KV cache for its n samples
+            # (padded path only; same logprobs and gradients, far fewer tokens computed).
+            "share_prompt_prefix": True,
             "enable_gradient_checkpointing": False,
             "trust_remote_code": False,
         },

@@ -144,3 +144,49 @@ def packed_inputs(batch: TokenBatch) -> ModelInputs:
     cols = (starts.unsqueeze(-1) + prompt_lengths.unsqueeze(-1) - 1 + torch.arange(width)).clamp(max=total - 1)
     rows = torch.zeros_like(cols)
     return ModelInputs(input_ids, position_ids, None, rows, cols, targets, valid)
+
+
+@dataclass
+class SharedPrefixInputs:
+    """Each distinct prompt once, then only the response tokens of every sample.
+
+    GRPO samples n responses per prompt, so most rows repeat their prompt; running it once
+    and reusing its KV cache cuts the tokens computed in the logprob and update passes.
+    Prompts are left-padded ([G, P]) so each one ends in the last column, whose logits
+    predict the first response token. ``group_of_row[i]`` is row i's prompt; the response
+    pass takes every response token but the last ([B, R-1]), positions continuing from the
+    prompt, attending to the prompt's cache through ``attention_mask`` ([B, P + R - 1]).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_attention_mask: torch.Tensor
+    prompt_position_ids: torch.Tensor
+    group_of_row: torch.Tensor
+    response_input_ids: torch.Tensor
+    response_position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    valid: torch.Tensor
+
+
+def shared_prefix_inputs(batch: TokenBatch, pad_token_id: int) -> SharedPrefixInputs:
+    group_of: dict[tuple[int, ...], int] = {}
+    group_of_row = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in batch.prompt_ids])
+    prompts = list(group_of)
+    width = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        prompt_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        prompt_mask[row, width - len(prompt):] = 1
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+
+    targets, valid = _response_grid(batch)
+    response_inputs = targets[:, :-1]  # the last token predicts nothing we score
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids])
+    response_positions = prompt_lengths.unsqueeze(-1) + torch.arange(response_inputs.shape[1])
+    attention_mask = torch.cat([prompt_mask[group_of_row], valid[:, :-1].long()], dim=-1)
+    return SharedPrefixInputs(
+        prompt_ids, prompt_mask, prompt_positions, group_of_row, response_inputs, response_positions,
+        attention_mask, targets, valid,
+    )

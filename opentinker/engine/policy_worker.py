@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opentinker.engine.algorithms import agg_loss, entropy_from_logits, get_policy_loss, kl_penalty
-from opentinker.engine.batch import ModelInputs, TokenBatch, packed_inputs, padded_inputs
+from opentinker.engine.batch import ModelInputs, TokenBatch, packed_inputs, padded_inputs, shared_prefix_inputs
 
 # Policy losses that aggregate per sequence regardless of loss_agg_mode (see policy_losses.py).
 _SEQUENCE_AGGREGATED_LOSSES = {"gspo": "seq-mean-token-mean"}
@@ -80,6 +80,9 @@ class PolicyWorker:
         # seq-mean-token-sum-norm divides by a constant; the configured length keeps it one.
         self.loss_scale_factor = float(max_response_length)
         self.use_remove_padding = bool(cfg.model.use_remove_padding)
+        # The prompt's KV cache is reused across its samples; activation checkpointing
+        # re-runs layers without a cache, so the two do not combine.
+        self.share_prompt_prefix = bool(cfg.model.share_prompt_prefix) and not cfg.model.enable_gradient_checkpointing
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None
         if cfg.model.enable_gradient_checkpointing:
             # transformers 5 renamed gradient_checkpointing_enable; accept either.
@@ -110,25 +113,57 @@ class PolicyWorker:
         self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropy) of each response token, [B, R]; 0 past each response."""
-        inputs = self._inputs(batch)
-        rows, cols = inputs.logit_rows, inputs.logit_cols
         with self._autocast():
-            # Only the positions that predict response tokens go through the LM head.
-            keep = cols if inputs.attention_mask is not None else cols.reshape(1, -1)
-            logits = model(
-                input_ids=inputs.input_ids.to(self.device),
-                position_ids=inputs.position_ids.to(self.device),
-                attention_mask=None if inputs.attention_mask is None else inputs.attention_mask.to(self.device),
-                logits_to_keep=keep.to(self.device),
-                use_cache=False,
-            ).logits
-        logits = logits.reshape(len(batch), batch.response_width, -1).float() / temperature
-        targets = inputs.targets.to(self.device)
-        valid = inputs.valid.to(self.device)
+            logits, targets, valid = self._response_logits(model, batch)
+        logits = logits.float() / temperature
+        targets, valid = targets.to(self.device), valid.to(self.device)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         logprobs = logprobs * valid
         entropy = entropy_from_logits(logits) * valid if with_entropy else None
         return logprobs, entropy
+
+    def _response_logits(self, model: PreTrainedModel, batch: TokenBatch):
+        """[B, R, V] logits at the positions that predict each response token."""
+        repeated_prompts = len({tuple(p) for p in batch.prompt_ids}) < len(batch)
+        if not self.use_remove_padding and self.share_prompt_prefix and repeated_prompts:
+            return self._shared_prefix_logits(model, batch)
+        inputs = self._inputs(batch)
+        # Only the positions that predict response tokens go through the LM head.
+        keep = inputs.logit_cols if inputs.attention_mask is not None else inputs.logit_cols.reshape(1, -1)
+        logits = model(
+            input_ids=inputs.input_ids.to(self.device),
+            position_ids=inputs.position_ids.to(self.device),
+            attention_mask=None if inputs.attention_mask is None else inputs.attention_mask.to(self.device),
+            logits_to_keep=keep.to(self.device),
+            use_cache=False,
+        ).logits
+        return logits.reshape(len(batch), batch.response_width, -1), inputs.targets, inputs.valid
+
+    def _shared_prefix_logits(self, model: PreTrainedModel, batch: TokenBatch):
+        """Each distinct prompt runs once; its KV cache is expanded (differentiably) to its samples."""
+        inputs = shared_prefix_inputs(batch, self.pad_token_id)
+        device = self.device
+        prompt_out = model(
+            input_ids=inputs.prompt_ids.to(device),
+            attention_mask=inputs.prompt_attention_mask.to(device),
+            position_ids=inputs.prompt_position_ids.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        group_of_row = inputs.group_of_row.to(device)
+        first = prompt_out.logits[:, -1][group_of_row].unsqueeze(1)  # predicts response token 0
+        if inputs.response_input_ids.shape[1] == 0:
+            return first, inputs.targets, inputs.valid
+        cache = prompt_out.past_key_values
+        cache.batch_select_indices(group_of_row)
+        rest = model(
+            input_ids=inputs.response_input_ids.to(device),
+            attention_mask=inputs.attention_mask.to(device),
+            position_ids=inputs.response_position_ids.to(device),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        return torch.cat([first, rest], dim=1), inputs.targets, inputs.valid
 
     @torch.no_grad()
     def compute_logprobs(
