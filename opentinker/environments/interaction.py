@@ -1,0 +1,120 @@
+"""The interaction interface: where the environment turns of a multi-turn rollout come from.
+
+The method names and the ``(done, response, reward, info)`` tuple follow verl's
+interaction API, so an interaction written for verl's multi-turn rollout maps onto this
+one with little change. One method is added: :meth:`Interaction.initial_observation`,
+for environments that need no dataset (a game, a simulator) and produce the first user
+message themselves when an instance is reset.
+
+Pure Python: nothing here imports torch, transformers or ray.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EnvironmentServerError", "InitialObservation", "Interaction", "last_assistant_content"]
+
+
+class EnvironmentServerError(RuntimeError):
+    """An environment server failed: HTTP 5xx, a timeout, a connection error, or a body
+    that is not JSON or not of the protocol's shape.
+
+    The agent loop catches it and ends the trajectory with stop reason ``"env_error"``
+    instead of failing the whole training step.
+    """
+
+    def __init__(self, url: str, cause: object = "unknown error"):
+        self.url = str(url)
+        self.cause = str(cause)
+        super().__init__(f"environment server {self.url} failed: {self.cause}")
+
+    def __reduce__(self):  # keep (url, cause) across pickling (e.g. to another process)
+        return (type(self), (self.url, self.cause))
+
+
+@dataclass(frozen=True)
+class InitialObservation:
+    """What an environment shows at reset: the first user message and, optionally, a system prompt."""
+
+    observation: str
+    system_prompt: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def last_assistant_content(messages: list[dict[str, Any]]) -> str:
+    """The content of the last assistant message in ``messages``, or "" when there is none."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            content = message.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+class Interaction(ABC):
+    """Base class of all interactions (environments).
+
+    One interaction object serves many concurrent rollout instances, each named by an
+    instance id; subclasses keep per-instance state in a dict keyed by that id.
+
+    Life cycle of one trajectory::
+
+        iid = await env.start_interaction(None, **interaction_kwargs)
+        first = await env.initial_observation(iid)       # data-free envs only
+        while not done:
+            ... model writes an assistant turn ...
+            done, text, reward, info = await env.generate_response(iid, messages)
+        score = await env.calculate_score(iid)
+        await env.finalize_interaction(iid)
+    """
+
+    def __init__(self, config: dict[str, Any] | None = None):
+        self.config: dict[str, Any] = dict(config or {})
+        self.name: str = str(self.config.get("name", type(self).__name__))
+        # Rewards returned by generate_response, per instance (for the default calculate_score).
+        self._rewards: dict[str, list[float]] = {}
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        """Create an instance and return its id (a fresh uuid4 when ``instance_id`` is None).
+
+        ``kwargs`` are the dataset row's ``interaction_kwargs`` (e.g. ``ground_truth``)
+        and trainer-supplied ones (``seed``, ``job_id``).
+        """
+        if instance_id is None:
+            instance_id = str(uuid.uuid4())
+        self._rewards.setdefault(instance_id, [])
+        return instance_id
+
+    async def initial_observation(self, instance_id: str) -> InitialObservation | None:
+        """The first user message of a data-free environment; None when the prompt comes from data."""
+        return None
+
+    @abstractmethod
+    async def generate_response(
+        self, instance_id: str, messages: list[dict[str, str]], **kwargs: Any
+    ) -> tuple[bool, str, float, dict[str, Any]]:
+        """React to the model's last turn (the last message of ``messages``).
+
+        Returns ``(done, response_text, reward, info)``; ``response_text`` becomes the
+        next user turn when ``done`` is False. Subclasses that use the default
+        :meth:`calculate_score` record each reward with :meth:`_record_reward`.
+        """
+
+    async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
+        """The trajectory's score; by default the sum of the rewards recorded so far (0.0 if none)."""
+        return float(sum(self._rewards.get(instance_id, ())))
+
+    async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
+        """Release the instance's state. Safe to call for an unknown or finished instance."""
+        self._rewards.pop(instance_id, None)
+
+    # Helpers for subclasses -------------------------------------------------------------
+
+    def _record_reward(self, instance_id: str, reward: float) -> None:
+        self._rewards.setdefault(instance_id, []).append(float(reward))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

@@ -1,0 +1,264 @@
+"""Answer scorers: pure functions from (model response, ground truth) to a reward in [0, 1].
+
+No I/O and no heavy imports, so the client, the environments and the tests share them.
+
+``score_math`` in short: the final answer is taken from the last ``\\boxed{...}``, else the
+last ``#### <answer>``, else the last number of the response. It and the ground truth
+(from which a ``\\boxed{}`` or ``####`` answer is extracted the same way, when present) are
+compared as exact rationals when both parse as numbers, with a relative tolerance of
+``1e-6`` (so ``0.75`` equals ``3/4`` and ``\\frac{3}{4}``, and ``0.333333`` equals
+``1/3``); otherwise as strings after removing spaces, ``$`` delimiters, ``\\left``/``\\right``,
+LaTeX spacing and a trailing period. Numbers may carry thousands separators
+(``1,234``), a sign, a leading ``$``, and a trailing ``%`` or ``\\%`` (which is dropped:
+``50%`` is the number 50, the GSM8K convention — it is not 0.5). Symbolic forms
+(``\\sqrt2``, ``\\pi``, intervals) are only compared as strings.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Literal
+
+__all__ = [
+    "SCORERS",
+    "Scorer",
+    "extract_boxed",
+    "extract_gsm8k_answer",
+    "extract_math_answer",
+    "get_scorer",
+    "normalize_number",
+    "normalize_text",
+    "parse_number",
+    "score_contains",
+    "score_exact",
+    "score_math",
+    "score_regex",
+]
+
+Scorer = Callable[[str, str], float]
+
+# A number as GSM8K answers write it: optional sign and $, digits with optional
+# thousands commas, optional decimals. Used by flexible extraction.
+_NUMBER = re.compile(r"[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+# GSM8K's strict format: the answer follows "#### ".
+_STRICT = re.compile(r"####\s*([-+]?\$?\s*[\d.,]*\d)")
+_HASH_ANSWER = re.compile(r"####\s*(.+)")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_FRAC = re.compile(r"(-?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_WHITESPACE = re.compile(r"\s+")
+_MATH_TOLERANCE = 1e-6
+
+
+def normalize_text(text: str) -> str:
+    """Case-folded, stripped, with runs of whitespace collapsed to one space."""
+    return _WHITESPACE.sub(" ", text).strip().casefold()
+
+
+def normalize_number(text: str | None) -> str | None:
+    """Canonical text of a number written GSM8K-style, or None when ``text`` is not a number.
+
+    Commas, ``$`` and surrounding spaces are removed, as is a trailing period;
+    the value is then written canonically: ``"1,234"`` -> ``"1234"``, ``"$5.50"`` ->
+    ``"5.5"``, ``"7.00"`` -> ``"7"``, ``"-0"`` -> ``"0"``.
+    """
+    if text is None:
+        return None
+    cleaned = text.strip().replace(",", "").replace("$", "").replace(" ", "")
+    cleaned = cleaned.rstrip(".")
+    if not cleaned or not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", cleaned):
+        return None
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
+        return None
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_gsm8k_answer(text: str, mode: Literal["strict", "flexible"] = "strict") -> str | None:
+    """The final answer of a GSM8K-style solution, normalised by :func:`normalize_number`.
+
+    ``strict``: the number after the last ``#### `` marker (None without one).
+    ``flexible``: the last number anywhere in the text (``"The answer is 42."`` -> ``"42"``).
+    """
+    if mode == "strict":
+        matches = _STRICT.findall(text)
+        return normalize_number(matches[-1]) if matches else None
+    if mode == "flexible":
+        for candidate in reversed(_NUMBER.findall(text)):
+            number = normalize_number(candidate)
+            if number is not None:
+                return number
+        return None
+    raise ValueError(f"unknown GSM8K extraction mode {mode!r}; valid modes: 'strict', 'flexible'")
+
+
+def score_exact(response: str, truth: str) -> float:
+    """1.0 when response and truth are equal up to case and whitespace, else 0.0."""
+    return 1.0 if normalize_text(str(response)) == normalize_text(str(truth)) else 0.0
+
+
+def score_contains(response: str, truth: str) -> float:
+    """1.0 when the (case/whitespace-normalised) truth occurs in the response; an empty truth scores 0.0."""
+    needle = normalize_text(str(truth))
+    return 1.0 if needle and needle in normalize_text(str(response)) else 0.0
+
+
+def score_regex(response: str, truth: str, pattern: str) -> float:
+    """Score the first match of ``pattern`` in the response against the truth.
+
+    The pattern's first group (or the whole match when it has none) is compared with
+    :func:`score_exact`; when both sides are numbers they are also compared as numbers
+    (``"1,000"`` matches ``"1000"``). No match scores 0.0.
+    """
+    match = re.search(pattern, str(response))
+    if match is None:
+        return 0.0
+    found = match.group(1) if match.re.groups else match.group(0)
+    if found is None:
+        return 0.0
+    if score_exact(found, truth):
+        return 1.0
+    a, b = normalize_number(found), normalize_number(str(truth))
+    return 1.0 if a is not None and a == b else 0.0
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    if brace < 0:
+        return None
+    # Only spaces may sit between the command and its brace.
+    if text[start:brace].strip() not in ("\\boxed", "\\fbox"):
+        return None
+    depth = 0
+    for i in range(brace, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[brace + 1 : i].strip()
+    return None  # unbalanced
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The final answer of a response: last ``\\boxed{}``, else last ``####``, else last number."""
+    text = str(text)
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    hashed = _HASH_ANSWER.findall(text)
+    if hashed:
+        return hashed[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].rstrip(",") if numbers else None
+
+
+def _clean_math(text: str) -> str:
+    s = text.strip()
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\displaystyle"):
+        s = s.replace(token, "")
+    s = s.replace("\\$", "").replace("$", "")
+    s = _WHITESPACE.sub("", s)
+    s = s.rstrip(".")
+    # \text{...} around a bare answer, e.g. \text{5}
+    m = re.fullmatch(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", s)
+    if m:
+        s = m.group(1)
+    return s
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of a plain numeric answer, or None.
+
+    Accepts integers (``-12``, ``1,234``), decimals (``0.75``, ``.5``), ``a/b``,
+    ``\\frac{a}{b}`` (also ``\\dfrac``/``\\tfrac``, sign in front), a leading ``$`` and
+    a trailing ``%``/``\\%`` (dropped: ``50%`` -> 50).
+    """
+    s = _clean_math(text)
+    if s.endswith("\\%"):
+        s = s[:-2]
+    elif s.endswith("%"):
+        s = s[:-1]
+    if not s:
+        return None
+    frac = _FRAC.fullmatch(s)
+    if frac:
+        num, den = parse_number(frac.group(2)), parse_number(frac.group(3))
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den
+        return -value if frac.group(1) else value
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", s):
+        return Fraction(s)
+    ratio = re.fullmatch(r"([-+]?\d+)/([-+]?\d+)", s)
+    if ratio and int(ratio.group(2)) != 0:
+        return Fraction(int(ratio.group(1)), int(ratio.group(2)))
+    return None
+
+
+def _numbers_close(a: Fraction, b: Fraction) -> bool:
+    if a == b:
+        return True
+    return math.isclose(float(a), float(b), rel_tol=_MATH_TOLERANCE, abs_tol=0.0)
+
+
+def score_math(response: str, truth: str) -> float:
+    """1.0 when the response's final answer equals the truth mathematically (see module doc)."""
+    answer = extract_math_answer(response)
+    if answer is None:
+        return 0.0
+    truth = str(truth)
+    if "\\boxed" in truth or "\\fbox" in truth or "####" in truth:
+        truth = extract_math_answer(truth) or truth
+    a, b = parse_number(answer), parse_number(truth)
+    if a is not None and b is not None:
+        return 1.0 if _numbers_close(a, b) else 0.0
+    if a is not None or b is not None:
+        return 0.0
+    return 1.0 if _clean_math(answer) == _clean_math(truth) and _clean_math(truth) else 0.0
+
+
+SCORERS: dict[str, Callable[..., float]] = {
+    "exact": score_exact,
+    "contains": score_contains,
+    "regex": score_regex,
+    "math": score_math,
+}
+
+
+def get_scorer(name: str, **options: str) -> Scorer:
+    """The scorer called ``name`` as a ``(response, truth) -> float`` function.
+
+    ``options`` are bound to it: ``get_scorer("regex", pattern=r"answer: (\\d+)")``.
+    Raises ValueError for an unknown name (listing the valid ones) or a regex scorer
+    without a valid ``pattern``.
+    """
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(sorted(SCORERS))}")
+    if name == "regex":
+        pattern = options.pop("pattern", None)
+        if not pattern:
+            raise ValueError("the 'regex' scorer needs a 'pattern'")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"invalid regex pattern {pattern!r}: {exc}") from exc
+        if options:
+            raise ValueError(f"scorer 'regex' takes only 'pattern', got {sorted(options)}")
+        return functools.partial(score_regex, pattern=pattern)
+    if options:
+        raise ValueError(f"scorer {name!r} takes no options, got {sorted(options)}")
+    return SCORERS[name]
