@@ -87,6 +87,13 @@ DEFAULTS: dict[str, Any] = {
             "max_batch_size": 256,  # concurrent sequences in one generate call
             "val_temperature": 0.0,  # greedy validation
             "ignore_eos": False,  # always generate data.max_response_length tokens (benchmarks)
+            "multi_turn": {  # agent loops; the total response budget is data.max_response_length
+                "max_assistant_turns": 5,
+                "max_user_turns": 5,
+                "max_tokens_per_turn": 64,
+                "reward_mode": "sum",  # sum | last | score (the interaction's calculate_score)
+                "env_error_reward": 0.0,
+            },
         },
     },
     "algorithm": {
@@ -282,6 +289,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"config key 'actor_rollout_ref.rollout.name' must be 'transformers' or 'vllm', "
             f"got {cfg.actor_rollout_ref.rollout.name!r}"
+        )
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    for key in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
+        _positive(cfg, f"actor_rollout_ref.rollout.multi_turn.{key}")
+    if multi_turn.reward_mode not in ("sum", "last", "score"):
+        raise ConfigError(
+            "config key 'actor_rollout_ref.rollout.multi_turn.reward_mode' must be sum, last or score, "
+            f"got {multi_turn.reward_mode!r}"
         )
     if cfg.trainer.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"config key 'trainer.device' must be auto, cpu or cuda, got {cfg.trainer.device!r}")

@@ -33,12 +33,23 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[
 
 
 def tokenize_rows(
-    rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int, split: str
+    rows: Sequence[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    split: str,
+    allow_data_free: bool = False,
 ) -> list[Prompt]:
-    """Apply the chat template to each row's ``prompt`` messages; too-long prompts are an error."""
+    """Apply the chat template to each row's ``prompt`` messages; too-long prompts are an error.
+
+    With ``allow_data_free`` a row may have no prompt: its environment opens the chat
+    (the reset observation becomes the first user message) and ``prompt_ids`` stay empty.
+    """
     prompts = []
     for index, row in enumerate(rows):
         messages = row.get("prompt")
+        if messages is None and allow_data_free:
+            prompts.append(Prompt(uid=f"{split}-{index}", prompt_ids=[], row=row))
+            continue
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{split} row {index}: 'prompt' must be a non-empty list of chat messages")
         ids = chat_prompt_ids(tokenizer, messages)

@@ -8,7 +8,7 @@ update -> weight sync -> metrics. Everything heavy sits behind two objects: the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from opentinker.config import ConfigError, make_config
+from opentinker.engine.agent_loop import AgentLoopConfig, Trajectory
+from opentinker.engine.agent_runner import AgentLoopRunner, environment_metrics, single_turn_trajectory
 from opentinker.engine.algorithms import get_advantage_estimator, masked_mean
+from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
 from opentinker.engine.model_loading import (
@@ -29,7 +32,8 @@ from opentinker.engine.model_loading import (
     resolve_model_path,
 )
 from opentinker.engine.policy_worker import WorkerGroup, make_worker_group
-from opentinker.engine.rollout import Completion, RolloutEngine, SamplingParams, make_rollout_engine
+from opentinker.engine.rollout import RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine
+from opentinker.environments.interaction import Interaction
 
 StepCallback = Callable[[int, dict[str, float]], None]
 StrategyLabeler = Callable[[Prompt, Sequence[str]], Sequence[Any]]
@@ -41,9 +45,17 @@ class Rollout:
     """The samples of one step, in prompt-major order (n consecutive samples per prompt)."""
 
     prompts: list[Prompt]  # one entry per sample
-    completions: list[Completion]
-    texts: list[str]
-    rewards: list[float]
+    trajectories: list[Trajectory]
+    texts: list[str]  # the model's text of each sample (all its turns)
+    interaction_names: list[str | None]  # which environment produced each sample
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    def keep(self, indices: Sequence[int]) -> "Rollout":
+        return Rollout(*([field[i] for i in indices] for field in
+                         (self.prompts, self.trajectories, self.texts, self.interaction_names)))
 
 
 class Timer:
@@ -68,6 +80,7 @@ class RLTrainer:
         val_rows: Sequence[dict] | None = None,
         reward_fn: RewardFn | None = None,
         strategy_labeler: StrategyLabeler | None = None,
+        interactions: Mapping[str, Interaction] | None = None,
     ):
         self.cfg = cfg
         if cfg.algorithm.adv_estimator == "gae":
@@ -79,7 +92,8 @@ class RLTrainer:
         self.strategy_labeler = strategy_labeler
         torch.manual_seed(cfg.trainer.seed)
 
-        if train_rows is None or reward_fn is None:
+        self.interactions = dict(interactions or {})
+        if train_rows is None or (reward_fn is None and not self.interactions):
             task_train, task_val, task_reward = builtin_task(cfg.data.task, val_count=cfg.data.val_batch_size)
             train_rows = task_train if train_rows is None else train_rows
             val_rows = task_val if val_rows is None else val_rows
@@ -90,14 +104,32 @@ class RLTrainer:
         self.device = pick_device(cfg.trainer.device)
         self.model_path = resolve_model_path(ar.model.path)
         self.tokenizer = load_tokenizer(self.model_path, ar.model.trust_remote_code)
-        self.train_prompts = tokenize_rows(train_rows, self.tokenizer, cfg.data.max_prompt_length, "train")
-        self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, cfg.data.max_prompt_length, "val")
+        data_free = bool(self.interactions)
+        self.train_prompts = tokenize_rows(train_rows, self.tokenizer, cfg.data.max_prompt_length, "train", data_free)
+        self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, cfg.data.max_prompt_length, "val", data_free)
         self.loader = iter(PromptLoader(self.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed))
 
         actor_model = load_causal_lm(self.model_path, device=self.device, trust_remote_code=ar.model.trust_remote_code)
         self.eos_ids = eos_token_ids(self.tokenizer, actor_model)
         self.workers: WorkerGroup = make_worker_group(cfg, actor_model, self.tokenizer.pad_token_id)
         self.rollout: RolloutEngine = self._make_rollout_engine()
+        self.agent_loops: AgentLoopRunner | None = None
+        if self.interactions:
+            multi_turn = ar.rollout.multi_turn
+            self.agent_loops = AgentLoopRunner(
+                RequestBatcher(self.rollout, max_batch_size=ar.rollout.max_batch_size),
+                self.tokenizer,
+                ChatTemplater(self.tokenizer, self.eos_ids),
+                AgentLoopConfig(
+                    max_assistant_turns=multi_turn.max_assistant_turns,
+                    max_user_turns=multi_turn.max_user_turns,
+                    max_tokens_per_turn=multi_turn.max_tokens_per_turn,
+                    max_response_length=cfg.data.max_response_length,
+                    reward_mode=multi_turn.reward_mode,
+                    env_error_reward=multi_turn.env_error_reward,
+                ),
+                self.interactions,
+            )
         self.global_step = 0
 
     def _make_rollout_engine(self) -> RolloutEngine:
@@ -130,18 +162,32 @@ class RLTrainer:
         )
 
     def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
-        """Sample, decode and score ``samples_per_prompt`` responses to each prompt."""
+        """Sample ``samples_per_prompt`` responses to each prompt and score them.
+
+        With interactions every sample is a (possibly multi-turn) agent loop whose reward
+        comes from its environment; otherwise one batched generate call and ``reward_fn``.
+        """
         per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
-        completions = self.rollout.generate([p.prompt_ids for p in per_sample], self.sampling_params(validation))
+        params = self.sampling_params(validation)
+        if self.agent_loops is not None:
+            trajectories, names = self.agent_loops.run(per_sample, params)
+            texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
+            return Rollout(per_sample, trajectories, texts, names)
+        completions = self.rollout.generate([p.prompt_ids for p in per_sample], params)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards = [float(self.reward_fn(text, p.row)) for text, p in zip(texts, per_sample)]
-        return Rollout(per_sample, completions, texts, rewards)
+        trajectories = [
+            single_turn_trajectory(p.prompt_ids, c, float(self.reward_fn(text, p.row)))
+            for p, c, text in zip(per_sample, completions, texts)
+        ]
+        return Rollout(per_sample, trajectories, texts, [None] * len(per_sample))
 
     def to_batch(self, rollout: Rollout) -> TokenBatch:
+        trajectories = rollout.trajectories
         batch = TokenBatch.from_responses(
-            [p.prompt_ids for p in rollout.prompts], [c.token_ids for c in rollout.completions]
+            [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+            [t.response_mask for t in trajectories],
         )
-        batch.tensors["rollout_logprobs"] = batch.pad_response_values([c.logprobs for c in rollout.completions])
+        batch.tensors["rollout_logprobs"] = batch.pad_response_values([t.rollout_logprobs for t in trajectories])
         return batch
 
     @staticmethod
@@ -199,7 +245,9 @@ class RLTrainer:
         with timer.phase("step"):
             prompts = next(self.loader)
             with timer.phase("rollout"):
-                rollout = self.generate(prompts, cfg.actor_rollout_ref.rollout.n)
+                full_rollout = self.generate(prompts, cfg.actor_rollout_ref.rollout.n)
+            # An env that failed before the model spoke leaves nothing to train on.
+            rollout = full_rollout.keep([i for i, t in enumerate(full_rollout.trajectories) if t.response_ids])
             batch = self.to_batch(rollout)
             if not self.is_on_policy():
                 with timer.phase("old_logprob"):
@@ -218,6 +266,7 @@ class RLTrainer:
         self.global_step += 1
         return {
             **self.rollout_metrics(rollout, batch),
+            **environment_metrics(full_rollout),
             **adv_metrics,
             **update_metrics,
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
@@ -231,7 +280,7 @@ class RLTrainer:
     def rollout_metrics(self, rollout: Rollout, batch: TokenBatch) -> dict[str, float]:
         rewards = torch.tensor(rollout.rewards)
         lengths = batch.response_mask.sum(-1)
-        truncated = sum(c.finish_reason == "length" for c in rollout.completions)
+        truncated = sum(t.stop_reason == "max_response_length" for t in rollout.trajectories)
         return {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -239,7 +288,7 @@ class RLTrainer:
             "reward/min": float(rewards.min()),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": truncated / len(rollout.completions),
+            "response_length/clip_ratio": truncated / len(rollout.trajectories),
         }
 
     # -- validation and checkpoints -------------------------------------------------

@@ -1,0 +1,245 @@
+"""The generic agent loop: token in, token out, rewards from the environment.
+
+States: PENDING -> GENERATING <-> INTERACTING -> DONE. The model's tokens are kept exactly
+as sampled (mask 1, with their rollout logprobs); each environment turn is appended as the
+chat template's increment (mask 0). The interaction is always finalized, errors included.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from opentinker.engine.chat import ChatTemplater
+from opentinker.engine.rollout import Completion, SamplingParams
+from opentinker.environments.interaction import EnvironmentServerError, Interaction
+
+GenerateFn = Callable[[Sequence[int], SamplingParams], Awaitable[Completion]]
+RewardMode = Literal["sum", "last", "score"]
+
+STOP_REASONS = (
+    "completed",  # single turn without an interaction: the model answered
+    "env_done",  # the environment said done
+    "max_assistant_turns",
+    "max_user_turns",
+    "max_response_length",  # the total response budget (model + environment tokens) ran out
+    "env_error",  # the environment server failed (HTTP error, timeout, bad JSON)
+)
+
+
+class AgentState(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    INTERACTING = "interacting"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """Budgets of one trajectory and how its turn rewards become one reward."""
+
+    max_assistant_turns: int = 5
+    max_user_turns: int = 5
+    max_tokens_per_turn: int = 64
+    max_response_length: int = 256  # model + environment tokens after the prompt
+    reward_mode: RewardMode = "sum"  # sum | last | score (the interaction's calculate_score)
+    env_error_reward: float = 0.0
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One agent-loop run.
+
+    ``response_mask[i]`` is 1 where ``response_ids[i]`` was sampled from the model (these
+    tokens, and only these, carry loss) and 0 on environment/template tokens.
+    ``rollout_logprobs`` is aligned with ``response_ids`` (0.0 on environment tokens). The
+    scalar ``reward`` belongs on the last mask-1 token.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    turn_rewards: list[float]
+    num_turns: int
+    stop_reason: str
+    messages: list[dict[str, str]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentLoop:
+    """Runs one trajectory per :meth:`run` call; many run concurrently on one event loop."""
+
+    def __init__(
+        self,
+        generate: GenerateFn,
+        tokenizer: PreTrainedTokenizerBase,
+        templater: ChatTemplater,
+        config: AgentLoopConfig,
+        sampling: SamplingParams,
+    ):
+        self.generate = generate
+        self.tokenizer = tokenizer
+        self.templater = templater
+        self.config = config
+        self.sampling = sampling
+
+    async def run(
+        self,
+        messages: Sequence[dict[str, str]] | None,
+        interaction: Interaction | None = None,
+        interaction_kwargs: dict[str, Any] | None = None,
+    ) -> Trajectory:
+        run = _Run(self, list(messages or []), interaction, dict(interaction_kwargs or {}))
+        return await run.execute()
+
+
+class _Run:
+    """The mutable state of one trajectory while it is being produced."""
+
+    def __init__(self, loop: AgentLoop, messages: list[dict[str, str]], interaction: Interaction | None,
+                 interaction_kwargs: dict[str, Any]):
+        self.loop = loop
+        self.cfg = loop.config
+        self.messages = messages
+        self.interaction = interaction
+        self.interaction_kwargs = interaction_kwargs
+        self.state = AgentState.PENDING
+        self.instance_id: str | None = None
+        self.prompt_ids: list[int] = []
+        self.response_ids: list[int] = []
+        self.response_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turn_rewards: list[float] = []
+        self.assistant_turns = 0
+        self.user_turns = 0
+        self.turn_ended = True  # did the model's last turn end with its end-of-turn token?
+        self.stop_reason = ""
+        self.env_seconds = 0.0
+        self.env_calls = 0
+        self.error: str | None = None
+
+    async def execute(self) -> Trajectory:
+        try:
+            try:
+                await self._start()
+                while self.state is not AgentState.DONE:
+                    if self.state is AgentState.GENERATING:
+                        await self._generate()
+                    else:
+                        await self._interact()
+            except EnvironmentServerError as error:
+                self.stop_reason, self.error = "env_error", str(error)
+                self.state = AgentState.DONE
+            reward = await self._reward()  # before finalizing: a score may need the instance
+        finally:
+            await self._finalize()
+        return self._trajectory(reward)
+
+    # -- states --------------------------------------------------------------------
+    async def _start(self) -> None:
+        if self.interaction is not None:
+            self.instance_id = await self._env_call(self.interaction.start_interaction(None, **self.interaction_kwargs))
+            if not any(m.get("role") == "user" for m in self.messages):  # data-free: the env opens
+                first = await self._env_call(self.interaction.initial_observation(self.instance_id))
+                if first is None:
+                    raise ValueError("the dataset row has no prompt and the interaction gives no initial observation")
+                if first.system_prompt:
+                    self.messages.insert(0, {"role": "system", "content": first.system_prompt})
+                self.messages.append({"role": "user", "content": first.observation})
+        if not self.messages:
+            raise ValueError("an agent loop needs prompt messages or a data-free interaction")
+        self.prompt_ids = self.loop.templater.prompt_ids(self.messages)
+        self.state = AgentState.GENERATING
+
+    async def _generate(self) -> None:
+        budget = min(self.cfg.max_tokens_per_turn, self.cfg.max_response_length - len(self.response_ids))
+        if budget <= 0:
+            return self._stop("max_response_length")
+        params = replace(self.loop.sampling, max_tokens=budget)
+        completion = await self.loop.generate(self.prompt_ids + self.response_ids, params)
+        self._append(completion.token_ids, mask=1, logprobs=completion.logprobs)
+        self.assistant_turns += 1
+        self.turn_ended = completion.finish_reason == "stop"
+        text = self.loop.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+        if self.interaction is None:
+            return self._stop("completed")
+        self.state = AgentState.INTERACTING
+
+    async def _interact(self) -> None:
+        assert self.interaction is not None and self.instance_id is not None
+        done, text, reward, info = await self._env_call(
+            self.interaction.generate_response(self.instance_id, list(self.messages))
+        )
+        self.turn_rewards.append(float(reward))
+        if done:
+            return self._stop("env_done")
+        if self.assistant_turns >= self.cfg.max_assistant_turns:
+            return self._stop("max_assistant_turns")
+        if self.user_turns >= self.cfg.max_user_turns:
+            return self._stop("max_user_turns")
+        env_ids = self.loop.templater.turn_ids(text, "user", model_turn_ended=self.turn_ended)
+        if len(self.response_ids) + len(env_ids) >= self.cfg.max_response_length:
+            return self._stop("max_response_length")  # no room for the env turn and a reply
+        self._append(env_ids, mask=0)
+        self.user_turns += 1
+        self.messages.append({"role": "user", "content": text})
+        self.state = AgentState.GENERATING
+
+    # -- helpers -------------------------------------------------------------------
+    def _stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        self.state = AgentState.DONE
+
+    def _append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+        self.response_ids.extend(ids)
+        self.response_mask.extend([mask] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    async def _env_call(self, call: Awaitable):
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.env_seconds += time.perf_counter() - start
+            self.env_calls += 1
+
+    async def _finalize(self) -> None:
+        if self.interaction is not None and self.instance_id is not None:
+            try:
+                await self.interaction.finalize_interaction(self.instance_id)
+            except Exception as error:  # finalizing must never hide the trajectory
+                self.error = self.error or f"finalize failed: {error}"
+
+    async def _reward(self) -> float:
+        if self.stop_reason == "env_error":
+            return self.cfg.env_error_reward
+        if self.cfg.reward_mode == "score" and self.interaction is not None and self.instance_id is not None:
+            try:
+                return float(await self.interaction.calculate_score(self.instance_id))
+            except EnvironmentServerError:
+                return self.cfg.env_error_reward
+        if self.cfg.reward_mode == "last":
+            return self.turn_rewards[-1] if self.turn_rewards else 0.0
+        return float(sum(self.turn_rewards))
+
+    def _trajectory(self, reward: float) -> Trajectory:
+        return Trajectory(
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            response_mask=self.response_mask,
+            rollout_logprobs=self.logprobs,
+            reward=reward,
+            turn_rewards=self.turn_rewards,
+            num_turns=self.assistant_turns,
+            stop_reason=self.stop_reason,
+            messages=self.messages,
+            info={"env_seconds": self.env_seconds, "env_calls": self.env_calls, "error": self.error},
+        )

@@ -1,0 +1,107 @@
+"""Runs a step's agent loops concurrently and summarizes them per environment."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import zlib
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedTokenizerBase
+
+from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
+from opentinker.engine.chat import ChatTemplater
+from opentinker.engine.rollout import Completion, RequestBatcher, SamplingParams
+from opentinker.environments.interaction import Interaction
+from opentinker.environments.registry import select_interaction
+
+if TYPE_CHECKING:
+    from opentinker.engine.data import Prompt
+
+
+def single_turn_trajectory(prompt_ids: list[int], completion: Completion, reward: float) -> Trajectory:
+    """A plain completion as a one-turn trajectory (every response token is the model's)."""
+    return Trajectory(
+        prompt_ids=list(prompt_ids),
+        response_ids=list(completion.token_ids),
+        response_mask=[1] * len(completion.token_ids),
+        rollout_logprobs=list(completion.logprobs),
+        reward=reward,
+        turn_rewards=[reward],
+        num_turns=1,
+        stop_reason="completed" if completion.finish_reason == "stop" else "max_response_length",
+        messages=[],
+    )
+
+
+class AgentLoopRunner:
+    """Owns one event loop (in a daemon thread) for every step's agent loops.
+
+    One long-lived loop, not ``asyncio.run`` per step: interactions keep HTTP connection
+    pools, and those are bound to the loop that opened them.
+    """
+
+    def __init__(
+        self,
+        batcher: RequestBatcher,
+        tokenizer: PreTrainedTokenizerBase,
+        templater: ChatTemplater,
+        config: AgentLoopConfig,
+        interactions: Mapping[str, Interaction],
+    ):
+        self.batcher = batcher
+        self.tokenizer = tokenizer
+        self.templater = templater
+        self.config = config
+        self.interactions = dict(interactions)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agent-loops", daemon=True)
+        self._thread.start()
+
+    def run(self, prompts: Sequence["Prompt"], params: SamplingParams) -> tuple[list[Trajectory], list[str]]:
+        """One trajectory per prompt entry (in order) and the interaction name of each."""
+        return asyncio.run_coroutine_threadsafe(self._run_all(prompts, params), self._loop).result()
+
+    async def _run_all(self, prompts: Sequence["Prompt"], params: SamplingParams):
+        loop = AgentLoop(self.batcher.agenerate, self.tokenizer, self.templater, self.config, params)
+        results = await asyncio.gather(*(self._run_one(loop, prompt) for prompt in prompts))
+        return [trajectory for trajectory, _ in results], [name for _, name in results]
+
+    async def _run_one(self, loop: AgentLoop, prompt: "Prompt") -> tuple[Trajectory, str]:
+        interaction, kwargs = select_interaction(prompt.row, self.interactions)
+        name = next(key for key, value in self.interactions.items() if value is interaction)
+        # The n samples of a prompt share its environment seed, so GRPO compares like with like.
+        kwargs.setdefault("seed", zlib.crc32(prompt.uid.encode()))
+        return await loop.run(prompt.row.get("prompt"), interaction, kwargs), name
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self.batcher.close()
+
+
+def environment_metrics(rollout) -> dict[str, float]:
+    """Turns, stop reasons, env errors and env latency, per environment (multi-turn only)."""
+    by_env: dict[str, list[Trajectory]] = defaultdict(list)
+    for trajectory, name in zip(rollout.trajectories, rollout.interaction_names):
+        if name is not None:
+            by_env[name].append(trajectory)
+    metrics: dict[str, float] = {}
+    for name, trajectories in by_env.items():
+        count = len(trajectories)
+        prefix = f"env/{name}"
+        metrics[f"{prefix}/samples"] = count
+        metrics[f"{prefix}/reward_mean"] = sum(t.reward for t in trajectories) / count
+        metrics[f"{prefix}/turns_mean"] = sum(t.num_turns for t in trajectories) / count
+        metrics[f"{prefix}/env_errors"] = sum(t.stop_reason == "env_error" for t in trajectories)
+        calls = sum(t.info.get("env_calls", 0) for t in trajectories)
+        seconds = sum(t.info.get("env_seconds", 0.0) for t in trajectories)
+        metrics[f"{prefix}/env_latency_s"] = seconds / calls if calls else 0.0
+        reasons: dict[str, int] = defaultdict(int)
+        for trajectory in trajectories:
+            reasons[trajectory.stop_reason] += 1
+        for reason, hits in reasons.items():
+            metrics[f"{prefix}/stop/{reason}"] = hits / count
+    return metrics
