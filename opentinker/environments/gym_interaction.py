@@ -274,13 +274,7 @@ class GymEnvironmentInteraction(Interaction):
 
     @staticmethod
     def _parse_reset(url: str, data: Any) -> InitialObservation:
-        if not isinstance(data, dict):
-            raise EnvironmentServerError(url, f"expected a JSON object, got {type(data).__name__}")
-        observation = data.get("observation")
-        if not isinstance(observation, str):
-            raise EnvironmentServerError(
-                url, f"'observation' must be a string, got {_describe(observation, 'observation' in data)}"
-            )
+        observation = _observation_of(url, data)
         system_prompt = data.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise EnvironmentServerError(url, f"'system_prompt' must be a string, got {type(system_prompt).__name__}")
@@ -326,13 +320,7 @@ class GymEnvironmentInteraction(Interaction):
 
     @staticmethod
     def _parse_step(url: str, data: Any) -> tuple[str, float, bool, dict[str, Any]]:
-        if not isinstance(data, dict):
-            raise EnvironmentServerError(url, f"expected a JSON object, got {type(data).__name__}")
-        observation = data.get("observation")
-        if not isinstance(observation, str):
-            raise EnvironmentServerError(
-                url, f"'observation' must be a string, got {_describe(observation, 'observation' in data)}"
-            )
+        observation = _observation_of(url, data)
         reward = data.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise EnvironmentServerError(
@@ -370,6 +358,18 @@ class GymEnvironmentInteraction(Interaction):
     @property
     def active_instances(self) -> int:
         return len(self._instances)
+
+
+def _observation_of(url: str, data: Any) -> str:
+    """The ``observation`` string of a /reset or /step answer, or EnvironmentServerError."""
+    if not isinstance(data, dict):
+        raise EnvironmentServerError(url, f"expected a JSON object, got {type(data).__name__}")
+    observation = data.get("observation")
+    if not isinstance(observation, str):
+        raise EnvironmentServerError(
+            url, f"'observation' must be a string, got {_describe(observation, 'observation' in data)}"
+        )
+    return observation
 
 
 def _describe(value: Any, present: bool) -> str:

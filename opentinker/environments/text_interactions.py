@@ -37,7 +37,24 @@ def _truth_from(kwargs: dict[str, Any], who: str) -> str:
     return str(truth)
 
 
-class SimpleTextEnvironment(Interaction):
+class _GradedInteraction(Interaction):
+    """Shared bookkeeping: one ground truth and an attempt counter per instance."""
+
+    def __init__(self, config: dict[str, Any] | None = None):
+        super().__init__(config)
+        self._state: dict[str, _Attempts] = {}
+
+    def _normalise_truth(self, truth: str) -> str:
+        return truth
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        truth = self._normalise_truth(_truth_from(kwargs, type(self).__name__))
+        instance_id = await super().start_interaction(instance_id)
+        self._state[instance_id] = _Attempts(truth=truth)
+        return instance_id
+
+
+class SimpleTextEnvironment(_GradedInteraction):
     """Grade the model's answer with a named scorer.
 
     Config keys:
@@ -67,13 +84,6 @@ class SimpleTextEnvironment(Interaction):
         self.final_message = str(cfg.get("final_message", "That is not correct."))
         self.correct_reward = float(cfg.get("correct_reward", 1.0))
         self.incorrect_reward = float(cfg.get("incorrect_reward", 0.0))
-        self._state: dict[str, _Attempts] = {}
-
-    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
-        truth = _truth_from(kwargs, type(self).__name__)
-        instance_id = await super().start_interaction(instance_id)
-        self._state[instance_id] = _Attempts(truth=truth)
-        return instance_id
 
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, str]], **kwargs: Any
@@ -100,7 +110,7 @@ class SimpleTextEnvironment(Interaction):
         await super().finalize_interaction(instance_id)
 
 
-class Gsm8kInteraction(Interaction):
+class Gsm8kInteraction(_GradedInteraction):
     """GSM8K with feedback: the model answers, ending with ``#### <number>``.
 
     Config keys:
@@ -129,7 +139,6 @@ class Gsm8kInteraction(Interaction):
         )
         self.correct_message = str(cfg.get("correct_message", "Your answer is correct!"))
         self.final_message = str(cfg.get("final_message", "Your answer is wrong."))
-        self._state: dict[str, _Attempts] = {}
 
     @staticmethod
     def _normalise_truth(truth: str) -> str:
@@ -141,12 +150,6 @@ class Gsm8kInteraction(Interaction):
         if normalised is None:
             raise ValueError(f"GSM8K ground truth must be a number, got {truth!r}")
         return normalised
-
-    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
-        truth = self._normalise_truth(_truth_from(kwargs, type(self).__name__))
-        instance_id = await super().start_interaction(instance_id)
-        self._state[instance_id] = _Attempts(truth=truth)
-        return instance_id
 
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, str]], **kwargs: Any
