@@ -220,14 +220,32 @@ def _check_type(key: str, default: Any, value: Any) -> None:
         raise ConfigError(f"config key '{key}' expects {type(default).__name__}, got {value!r}")
 
 
+def expand_dotted(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1, "c": {"d": 2}}`` -> ``{"a": {"b": 1}, "c": {"d": 2}}`` (both forms may mix)."""
+    tree: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            value = expand_dotted(value)
+        node = tree
+        *sections, leaf = str(key).split(".")
+        for section in sections:
+            node = node.setdefault(section, {})
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf].update(value)
+        else:
+            node[leaf] = value
+    return tree
+
+
 def make_config(*overrides: Mapping[str, Any] | Iterable[str] | None) -> DictConfig:
-    """Defaults, then each override in order (a nested mapping or a list of ``key=value``)."""
+    """Defaults, then each override in order: a mapping (nested and/or dotted keys) or a
+    list of ``key=value`` strings."""
     merged = OmegaConf.create(DEFAULTS)
     for override in overrides:
         if override is None:
             continue
         if isinstance(override, Mapping):
-            tree = OmegaConf.to_container(OmegaConf.create(dict(override)), resolve=True)
+            tree = expand_dotted(override)
             _check_tree(tree)
         else:
             tree = parse_overrides(override)

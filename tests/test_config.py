@@ -93,3 +93,10 @@ def test_to_dotted_round_trip():
 
 def test_closest_key_for_a_misplaced_leaf():
     assert closest_key("trainer.kl_loss_coef") == "actor_rollout_ref.actor.kl_loss_coef"
+
+
+def test_mappings_may_use_dotted_keys():
+    cfg = make_config({"actor_rollout_ref.rollout.n": 4, "data": {"train_batch_size": 16}, "trainer.seed": 3})
+    assert cfg.actor_rollout_ref.rollout.n == 4 and cfg.data.train_batch_size == 16 and cfg.trainer.seed == 3
+    with pytest.raises(ConfigError, match="did you mean 'actor_rollout_ref.rollout.n'"):
+        make_config({"actor_rollout_ref.rollout.nn": 4})

@@ -238,12 +238,13 @@ class RLTrainer:
         self.rollout.update_weights(self.workers.state_dict())
 
     # -- one step ------------------------------------------------------------------
-    def step(self) -> dict[str, float]:
+    def step(self, rows: Sequence[dict] | None = None) -> dict[str, float]:
+        """One training step on ``rows`` (a client-pushed batch) or on the next loader batch."""
         cfg = self.cfg
         temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
         timer = Timer()
         with timer.phase("step"):
-            prompts = next(self.loader)
+            prompts = next(self.loader) if rows is None else self.tokenize_batch(rows)
             with timer.phase("rollout"):
                 full_rollout = self.generate(prompts, cfg.actor_rollout_ref.rollout.n)
             # An env that failed before the model spoke leaves nothing to train on.
@@ -272,6 +273,11 @@ class RLTrainer:
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
             "perf/tokens_per_s": self.token_count(batch) / timer.seconds["step"],
         }
+
+    def tokenize_batch(self, rows: Sequence[dict]) -> list[Prompt]:
+        """A pushed batch; uids are unique per step so GRPO groups stay within this batch."""
+        split = f"step{self.global_step + 1}"
+        return tokenize_rows(rows, self.tokenizer, self.cfg.data.max_prompt_length, split, bool(self.interactions))
 
     @staticmethod
     def token_count(batch: TokenBatch) -> int:
@@ -307,28 +313,37 @@ class RLTrainer:
         return self.workers.save_checkpoint(path, self.tokenizer)
 
     # -- the loop ------------------------------------------------------------------
-    def fit(self, on_step: StepCallback | None = None) -> list[dict[str, float]]:
-        """Train for ``trainer.total_training_steps``; returns every step's metrics."""
+    def train_step(self, rows: Sequence[dict] | None = None, *, save: bool = False) -> dict[str, Any]:
+        """:meth:`step`, then validation and a checkpoint when the schedule (or ``save``) asks."""
         trainer_cfg = self.cfg.trainer
-        total = trainer_cfg.total_training_steps
-        history: list[dict[str, float]] = []
-        progress = _progress_bar(total, trainer_cfg.progress_bar)
-        last_val: dict[str, float] = {}
-        if trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
-            last_val = self.validate()
+        metrics: dict[str, Any] = {"step": self.global_step + 1, **self.step(rows)}
+        done = self.global_step == trainer_cfg.total_training_steps
+        if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or done):
+            metrics.update(self.validate())
+        if save or done or (trainer_cfg.save_freq > 0 and self.global_step % trainer_cfg.save_freq == 0):
+            path = self.save_checkpoint()
+            if path is not None:
+                metrics["checkpoint"] = str(path)
+        return metrics
+
+    def initial_validation(self) -> dict[str, float]:
+        trainer_cfg = self.cfg.trainer
+        return self.validate() if trainer_cfg.val_before_train and trainer_cfg.test_freq > 0 else {}
+
+    def fit(self, on_step: StepCallback | None = None) -> list[dict[str, Any]]:
+        """Train for ``trainer.total_training_steps``; returns every step's metrics."""
+        total = self.cfg.trainer.total_training_steps
+        history: list[dict[str, Any]] = []
+        progress = _progress_bar(total, self.cfg.trainer.progress_bar)
+        last_val = self.initial_validation()
+        if last_val:
             history.append({"step": 0, **last_val})
             progress.write(f"step 0: {_format(last_val)}")
-        for _ in range(total):
-            metrics = {"step": self.global_step + 1, **self.step()}
-            done = self.global_step == total
-            if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or done):
-                last_val = self.validate()
-                metrics.update(last_val)
+        while self.global_step < total:
+            metrics = self.train_step()
+            if "val/accuracy" in metrics:
+                last_val = {k: v for k, v in metrics.items() if k.startswith("val/")}
                 progress.write(f"step {self.global_step}: {_format(last_val)}")
-            if trainer_cfg.save_freq > 0 and self.global_step % trainer_cfg.save_freq == 0 or done:
-                path = self.save_checkpoint()
-                if path is not None:
-                    metrics["checkpoint"] = str(path)  # type: ignore[assignment]
             history.append(metrics)
             progress.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}",
@@ -340,6 +355,11 @@ class RLTrainer:
                 on_step(self.global_step, metrics)
         progress.close()
         return history
+
+    def close(self) -> None:
+        """Stop the agent-loop threads (the trainer is unusable afterwards)."""
+        if self.agent_loops is not None:
+            self.agent_loops.close()
 
 
 def _format(metrics: dict[str, float]) -> str:

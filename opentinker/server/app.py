@@ -1,0 +1,70 @@
+"""``create_app(settings)``: the control plane's FastAPI app.
+
+Startup opens the store, marks jobs a previous process left queued/running as
+``interrupted`` (their Ray actors died with it) and starts the JobManager (Ray). OpenAPI
+docs are at ``/docs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+import opentinker
+from opentinker.environments.registry import default_registry
+from opentinker.protocol import API_PREFIX
+from opentinker.server.errors import install_error_handlers
+from opentinker.server.jobs import JobManager
+from opentinker.server.routers import checkpoints, env, events, health, jobs, steps
+from opentinker.server.settings import ServerSettings
+from opentinker.server.store import Store
+
+log = logging.getLogger("opentinker.server")
+
+
+def interrupted_reason(now: dt.datetime | None = None) -> str:
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return f"the server stopped while this job was running (restarted at {now.isoformat(timespec='seconds')})"
+
+
+def create_app(settings: ServerSettings | None = None, *, runner_cls: type | None = None) -> FastAPI:
+    """The app for ``settings``; ``runner_cls`` replaces the default JobRunner (tests)."""
+    settings = settings or ServerSettings()
+    # Built now, so a bad --allow-interaction path fails at startup, not on the first job.
+    registry = default_registry(allowed=settings.allowed_interactions)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        store = Store(settings.db_path)
+        interrupted = store.mark_unfinished_interrupted(interrupted_reason())
+        if interrupted:
+            log.warning("marked %d unfinished job(s) interrupted: %s", len(interrupted), ", ".join(interrupted))
+        manager = JobManager(store, settings, runner_cls=runner_cls)
+        manager.start()
+        app.state.store = store
+        app.state.manager = manager
+        try:
+            yield
+        finally:
+            await manager.shutdown()
+            store.close()
+
+    app = FastAPI(
+        title="OpenTinker server",
+        version=opentinker.__version__,
+        description="Reinforcement learning of LLMs as a service. Every route but /v1/health needs "
+        "`Authorization: Bearer <api key>`; errors are `{\"error\": ..., \"detail\": ...}`.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    app.state.step_locks = {}
+    install_error_handlers(app)
+    for module in (health, jobs, steps, events, checkpoints, env):
+        app.include_router(module.router, prefix=API_PREFIX)
+    return app

@@ -1,0 +1,141 @@
+"""``opentinker-server``: run the control plane, and manage users and API keys.
+
+    opentinker-server serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [--ray-address ADDR]
+                            [--model PATH] [--allow-interaction module.Class ...]
+    opentinker-server admin create-user NAME [--data-dir DIR]
+    opentinker-server admin create-key USER [--data-dir DIR]     # prints the key once
+    opentinker-server admin list-users [--data-dir DIR]
+
+Heavy imports (Ray, the app) happen only in ``serve``, so admin commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from opentinker.server.settings import ServerSettings, default_data_dir
+
+EXIT_USAGE = 2
+
+
+def _add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=default_data_dir(),
+        help="where the job store and job folders live (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opentinker-server", description="OpenTinker training server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP control plane")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    _add_data_dir(serve)
+    serve.add_argument("--ray-address", default=None, help="an existing Ray cluster; default: start a local one")
+    serve.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    serve.add_argument("--model", default=None, help="default model path; default: the embedded tiny model")
+    serve.add_argument(
+        "--allow-interaction",
+        action="append",
+        default=[],
+        metavar="module.Class",
+        help="also allow this Interaction class path in jobs (repeatable)",
+    )
+    serve.add_argument("--max-queued-steps", type=int, default=4, help="client mode: batches a job may queue")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    admin = commands.add_parser("admin", help="manage users and API keys (works while the server runs)")
+    admin_commands = admin.add_subparsers(dest="admin_command", required=True)
+    create_user = admin_commands.add_parser("create-user", help="add a user")
+    create_user.add_argument("name")
+    _add_data_dir(create_user)
+    create_key = admin_commands.add_parser("create-key", help="make an API key for a user (shown once)")
+    create_key.add_argument("user")
+    _add_data_dir(create_key)
+    list_users = admin_commands.add_parser("list-users", help="users and their number of active keys")
+    _add_data_dir(list_users)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"opentinker-server: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from opentinker.server import auth
+    from opentinker.server.store import Store
+
+    store = Store(Path(args.data_dir).expanduser() / "opentinker.db")
+    try:
+        if args.admin_command == "create-user":
+            try:
+                user = auth.create_user(store, args.name)
+            except ValueError as exc:
+                return _fail(str(exc))
+            print(f"created user {user.name!r}; make a key with: opentinker-server admin create-key {user.name}")
+        elif args.admin_command == "create-key":
+            try:
+                key = auth.create_api_key(store, args.user)
+            except LookupError as exc:
+                return _fail(f"{exc}; create it first with: opentinker-server admin create-user {args.user}")
+            print(f"API key for {args.user!r} (it is stored hashed and will not be shown again):")
+            print(key)
+        elif args.admin_command == "list-users":
+            users = store.list_users()
+            if not users:
+                print("no users yet; add one with: opentinker-server admin create-user NAME")
+            for user, active_keys in users:
+                print(f"{user.name}\t{active_keys} active key(s)")
+        return 0
+    finally:
+        store.close()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from opentinker.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServerSettings(
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            ray_address=args.ray_address,
+            default_model=args.model,
+            allowed_interactions=args.allow_interaction,
+            ray_num_cpus=args.ray_num_cpus,
+            max_queued_steps=args.max_queued_steps,
+        )
+        app = create_app(settings)
+    except ValueError as exc:
+        return _fail(str(exc))
+    url = f"http://{settings.host}:{settings.port}"
+    logging.getLogger("opentinker.server").info(
+        "opentinker-server listening on %s (API docs: %s/docs; data: %s)", url, url, settings.data_dir
+    )
+    # Event streams stay open for a job's whole life: give them a few seconds at shutdown,
+    # not forever, so the lifespan (kill the actors, close the store) always runs.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _admin(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""JobManager: one Ray actor per job, and an asyncio task per job that mirrors it into the store.
+
+The runner class (default :class:`opentinker.server.runner.JobRunner`) is wrapped as a
+threaded Ray actor, so ``run`` can block in one thread while the control plane calls its
+other methods from the event loop. The contract, all methods called through Ray:
+
+- ``Runner(job_id, spec, job_dir, allowed_interactions, default_model)`` where ``spec`` is
+  ``JobCreate.model_dump()`` and ``job_dir`` is ``<data_dir>/jobs/<job_id>`` (created).
+- ``run() -> {"status": "completed"|"failed"|"cancelled", "error": str|None, "step": int}``
+  blocks until the job ends.
+- ``drain_events() -> [{"type": EventType, "data": dict}, ...]`` since the last drain;
+  ``checkpoint`` data is ``{"step", "name", "path"}`` (the path is indexed, not published).
+- ``push_batch(step, rows)`` (client mode; raising ValueError rejects the batch),
+  ``queued() -> int``, ``cancel()``, ``request_checkpoint()``.
+- Optional: a static ``ray_actor_options(spec) -> dict`` merged into the actor's
+  ``.options()`` (e.g. ``{"num_gpus": 1}``: Ray hides GPUs from actors that ask for none).
+
+No call to a runner blocks the event loop: ObjectRefs are awaited (ray.init runs once, at
+startup, before anything is served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import math
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from opentinker.protocol import JobStatus
+from opentinker.server.settings import ServerSettings
+from opentinker.server.store import JobRecord, Store
+
+log = logging.getLogger("opentinker.server.jobs")
+
+RAY_NAMESPACE = "opentinker"
+ACTOR_MAX_CONCURRENCY = 8
+DEFAULT_RUNNER = "opentinker.server.runner.JobRunner"
+_RUNNER_EVENT_TYPES = ("progress", "metrics", "checkpoint", "error", "log")
+
+
+class JobNotActiveError(RuntimeError):
+    """The job has no live runner (finished, interrupted by a restart, or never started)."""
+
+
+class RunnerBusyError(RuntimeError):
+    """The runner did not answer a control call in time (still being placed by Ray, or
+    too busy); the caller may retry."""
+
+
+def actor_name(job_id: str) -> str:
+    return f"opentinker-job-{job_id}"
+
+
+def _load_default_runner() -> type:
+    module_name, _, attribute = DEFAULT_RUNNER.rpartition(".")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Undo the SIGTERM/SIGINT handlers ray.init installs: they exit the process at once,
+    skipping uvicorn's graceful shutdown (and with it our lifespan, which kills the
+    job actors and closes the store)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _ref_future(ref: Any) -> asyncio.Future:
+    """An asyncio future for an ObjectRef, bound to the running loop."""
+    return asyncio.wrap_future(ref.future())
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _reason(exc: BaseException) -> str:
+    """A short account of a Ray failure: the runner's own exception when there is one."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if cause is not None:
+            return f"{type(cause).__name__}: {cause}"
+        return _last_line(str(exc))
+    if isinstance(exc, RayActorError):
+        text = _ANSI_ESCAPE.sub("", str(exc))
+        if exc.actor_init_failed:  # the message ends with the constructor's exception
+            return f"the job's runner failed to start: {_last_line(text)}"
+        # Skip Ray's fixed first line and its tab-indented ids; keep the exit detail.
+        lines = [line.strip() for line in text.splitlines()[1:] if line.strip() and not line.startswith("\t")]
+        detail = " ".join(lines)
+        if len(detail) > 300:
+            detail = detail[:300] + "..."
+        return "the job's runner process died" + (f": {detail}" if detail else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in _ANSI_ESCAPE.sub("", text).splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def _jsonable(value: Any) -> Any:
+    """Runner data as plain JSON: numpy/torch scalars unwrapped, NaN/inf as null (strict
+    JSON has neither), anything else unknown as its string."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    item = getattr(value, "item", None)
+    if callable(item):
+        with contextlib.suppress(Exception):
+            return _jsonable(item())
+    return str(value)
+
+
+def normalize_events(raw: Any) -> list[dict[str, Any]]:
+    """Runner events as ``{"type", "data"}`` with a known type. A runner cannot emit
+    ``status`` (the manager owns the job's status) or invent types: those become ``log``."""
+    events: list[dict[str, Any]] = []
+    for event in raw or []:
+        if not isinstance(event, dict):
+            events.append({"type": "log", "data": {"message": str(event)}})
+            continue
+        type_ = event.get("type")
+        data = event.get("data")
+        data = _jsonable(data) if isinstance(data, dict) else {"value": _jsonable(data)}
+        if type_ not in _RUNNER_EVENT_TYPES:
+            data = {"message": f"runner event of type {type_!r}", "type": str(type_), "data": data}
+            type_ = "log"
+        events.append({"type": type_, "data": data})
+    return events
+
+
+@dataclass
+class _ActiveJob:
+    job_id: str
+    actor: Any
+    task: asyncio.Task | None = None
+    started: bool = False  # the runner's constructor has returned
+    cancel_requested: bool = False
+    kill_task: asyncio.Task | None = None
+
+
+class JobManager:
+    """Starts, watches, cancels and cleans up the Ray actor of every running job.
+
+    ``runner_cls`` is the class to run as each job's actor (tests pass a small stand-in);
+    None imports :data:`DEFAULT_RUNNER` on first use.
+    """
+
+    def __init__(self, store: Store, settings: ServerSettings, runner_cls: type | None = None):
+        self.store = store
+        self.settings = settings
+        self._runner_cls = runner_cls
+        self._remote_cls: Any = None
+        self._active: dict[str, _ActiveJob] = {}
+        self._owns_ray = False
+        self._started = False
+
+    # lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect to Ray (or start a local one). If this process already has Ray up (an
+        embedding application, the tests), it is used as is and left running at shutdown."""
+        if ray.is_initialized():
+            self._owns_ray = False
+        else:
+            kwargs: dict[str, Any] = dict(
+                address=self.settings.ray_address or None,
+                include_dashboard=False,
+                ignore_reinit_error=True,
+                log_to_driver=False,
+            )
+            if not self.settings.ray_address and self.settings.ray_num_cpus is not None:
+                kwargs["num_cpus"] = self.settings.ray_num_cpus
+            with _keep_signal_handlers():
+                ray.init(**kwargs)
+            self._owns_ray = True
+        self._started = True
+        log.info("ray: %s", ray.get_runtime_context().gcs_address)
+
+    async def shutdown(self) -> None:
+        """Stop watching and kill every job's actor. Their store status is left as is: the
+        next start marks them interrupted (the same as after a crash)."""
+        active = list(self._active.values())
+        for job in active:
+            for task in (job.task, job.kill_task):
+                if task is not None and not task.done():
+                    task.cancel()
+        for job in active:
+            if job.task is not None:
+                with contextlib.suppress(BaseException):
+                    await job.task
+            self._kill(job)
+        self._active.clear()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._started = False
+
+    # jobs ----------------------------------------------------------------------------
+
+    def runner_class(self) -> type:
+        if self._runner_cls is None:
+            self._runner_cls = _load_default_runner()
+        return self._runner_cls
+
+    def _remote_runner(self) -> Any:
+        if self._remote_cls is None:  # wrapped once: Ray exports the class on first use
+            self._remote_cls = ray.remote(self.runner_class())
+        return self._remote_cls
+
+    def active_job_ids(self) -> list[str]:
+        return sorted(self._active)
+
+    def is_active(self, job_id: str) -> bool:
+        return job_id in self._active
+
+    def submit(self, job: JobRecord) -> None:
+        """Create the job's actor and the task that watches it; returns at once."""
+        if not self._started:
+            raise RuntimeError("JobManager.start() has not been called")
+        job_dir = self.settings.job_dir(job.job_id)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            runner_cls = self.runner_class()
+            options: dict[str, Any] = {
+                "max_concurrency": ACTOR_MAX_CONCURRENCY,
+                "name": actor_name(job.job_id),
+                "namespace": RAY_NAMESPACE,
+            }
+            extra_options = getattr(runner_cls, "ray_actor_options", None)
+            if callable(extra_options):
+                options.update(extra_options(job.spec) or {})
+            actor = (
+                self._remote_runner()
+                .options(**options)
+                .remote(
+                    job.job_id,
+                    job.spec,
+                    str(job_dir),
+                    list(self.settings.allowed_interactions),
+                    self.settings.default_model,
+                )
+            )
+        except Exception as exc:  # the runner class failed to import, bad options, ...
+            log.exception("job %s: could not start its runner", job.job_id)
+            self.store.set_status(job.job_id, JobStatus.FAILED, error=f"could not start the job's runner: {exc}")
+            return
+        active = _ActiveJob(job.job_id, actor)
+        self._active[job.job_id] = active
+        active.task = asyncio.get_running_loop().create_task(self._supervise(active), name=f"job-{job.job_id}")
+
+    async def _call(self, job_id: str, method: str, *args: Any, timeout: float | None) -> Any:
+        """``actor.method(*args)``, awaited. Raises JobNotActiveError, RunnerBusyError
+        (no answer within ``timeout``), RayActorError (the actor died) or RayTaskError
+        (the runner raised; ``.cause`` is its exception)."""
+        ref = getattr(self._actor(job_id), method).remote(*args)
+        try:
+            return await asyncio.wait_for(_ref_future(ref), timeout)
+        except asyncio.TimeoutError:
+            raise RunnerBusyError(f"job {job_id}'s runner did not answer {method}() within {timeout}s") from None
+
+    async def queued(self, job_id: str) -> int:
+        """Batches pushed but not yet trained."""
+        return int(await self._call(job_id, "queued", timeout=self.settings.runner_call_timeout_s))
+
+    async def push_batch(self, job_id: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """Forward one client-mode batch. No timeout: once sent, a call is delivered in order
+        to the live actor, so giving up early would leave the step's fate unknown (and a
+        retry could deliver it twice). Callers ask ``queued`` first, which has one."""
+        await self._call(job_id, "push_batch", step, rows, timeout=None)
+
+    async def request_checkpoint(self, job_id: str) -> None:
+        await self._call(job_id, "request_checkpoint", timeout=self.settings.runner_call_timeout_s)
+
+    async def cancel(self, job_id: str, reason: str = "cancelled by the user") -> bool:
+        """Mark the job cancelled now; ask its runner to stop after the current step and
+        kill the actor once ``run`` returns or ``cancel_grace_s`` has passed. Returns False
+        when the job had already finished (nothing changes)."""
+        changed = self.store.set_status(job_id, JobStatus.CANCELLED, reason=reason)
+        active = self._active.get(job_id)
+        if not changed or active is None or active.cancel_requested:
+            return changed
+        active.cancel_requested = True
+        if not active.started:
+            # Still being placed or constructed: there is no step to finish.
+            if active.task is not None:
+                active.task.cancel()
+            return True
+        # Not awaited: the answer does not matter, and the kill below is the backstop.
+        active.actor.cancel.remote()
+        active.kill_task = asyncio.get_running_loop().create_task(self._kill_after_grace(active))
+        return True
+
+    def _actor(self, job_id: str) -> Any:
+        active = self._active.get(job_id)
+        if active is None:
+            raise JobNotActiveError(f"job {job_id} has no running runner")
+        return active.actor
+
+    # watching one job ------------------------------------------------------------------
+
+    def _store_events(self, job_id: str, raw: Any) -> None:
+        events = normalize_events(raw)
+        if events:
+            self.store.append_runner_events(job_id, events)
+
+    async def _drain(self, active: _ActiveJob) -> None:
+        self._store_events(active.job_id, await _ref_future(active.actor.drain_events.remote()))
+
+    async def _supervise(self, active: _ActiveJob) -> None:
+        job_id, poll = active.job_id, self.settings.event_poll_s
+        run: asyncio.Future | None = None
+        try:
+            run = _ref_future(active.actor.run.remote())
+            # The first drain is answered once the runner's constructor has returned: from
+            # then on the job is running (before, Ray may still be placing the actor).
+            await self._drain(active)
+            active.started = True
+            self.store.set_status(job_id, JobStatus.RUNNING)
+            while not run.done():
+                await asyncio.wait({run}, timeout=poll)
+                await self._drain(active)
+            result = run.result()
+            await self._drain(active)
+            self._finish(job_id, result)
+        except asyncio.CancelledError:
+            raise
+        except (RayActorError, RayTaskError) as exc:
+            # A RayActorError from a drain may come before run's own; prefer run's account.
+            if run is not None and run.done() and run.exception() is not None:
+                exc = run.exception()  # type: ignore[assignment]
+            log.warning("job %s failed: %s", job_id, _reason(exc))
+            self.store.set_status(job_id, JobStatus.FAILED, error=_reason(exc))
+        except Exception as exc:
+            log.exception("job %s: watching the runner failed", job_id)
+            self.store.set_status(job_id, JobStatus.FAILED, error=_reason(exc))
+        finally:
+            if run is not None:
+                if run.done():
+                    with contextlib.suppress(BaseException):
+                        run.exception()
+                else:
+                    run.cancel()
+            if active.kill_task is not None and active.kill_task is not asyncio.current_task():
+                active.kill_task.cancel()
+            self._kill(active)
+            if self._active.get(job_id) is active:
+                del self._active[job_id]
+
+    def _finish(self, job_id: str, result: Any) -> None:
+        if not isinstance(result, dict):
+            self.store.set_status(job_id, JobStatus.FAILED, error=f"the runner's run() returned {result!r}, not a dict")
+            return
+        try:
+            status = JobStatus(result.get("status"))
+        except ValueError:
+            status = JobStatus.FAILED
+            result = {**result, "error": f"the runner's run() returned unknown status {result.get('status')!r}"}
+        if not status.finished or status is JobStatus.INTERRUPTED:
+            status = JobStatus.FAILED
+            result = {**result, "error": f"the runner's run() returned non-final status {result.get('status')!r}"}
+        step = result.get("step")
+        error = result.get("error")
+        self.store.set_status(
+            job_id,
+            status,
+            error=str(error) if error else None,
+            step=step if isinstance(step, int) else None,
+        )
+
+    async def _kill_after_grace(self, active: _ActiveJob) -> None:
+        task = active.task
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=self.settings.cancel_grace_s)
+        if not done:
+            grace = self.settings.cancel_grace_s
+            log.warning("job %s: the runner did not stop within %ss of the cancel; killing it", active.job_id, grace)
+            task.cancel()
+
+    def _kill(self, active: _ActiveJob) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(active.actor, no_restart=True)

@@ -1,0 +1,80 @@
+"""``/v1/jobs/{id}/checkpoints``: list, request one, download one as ``.tar.gz``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+from ray.exceptions import RayActorError, RayTaskError
+
+from opentinker.protocol import CheckpointList
+from opentinker.server.archive import iter_tar_gz
+from opentinker.server.auth import current_user
+from opentinker.server.deps import get_manager, get_settings, get_store, owned_job
+from opentinker.server.errors import ApiError, not_found
+from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
+from opentinker.server.settings import ServerSettings
+from opentinker.server.store import JobRecord, Store
+
+router = APIRouter(prefix="/jobs", tags=["checkpoints"], dependencies=[Depends(current_user)])
+
+# Checkpoint names are folder names such as "global_step_20": no separators, no "..".
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList, summary="The job's saved checkpoints")
+async def list_checkpoints(job: JobRecord = Depends(owned_job), store: Store = Depends(get_store)) -> CheckpointList:
+    return CheckpointList(checkpoints=[c.info() for c in store.list_checkpoints(job.job_id)])
+
+
+@router.post("/{job_id}/checkpoints", status_code=202, summary="Save a checkpoint at the end of the current step")
+async def request_checkpoint(
+    job: JobRecord = Depends(owned_job), manager: JobManager = Depends(get_manager)
+) -> dict[str, Any]:
+    if job.status.finished:
+        raise ApiError(409, f"job {job.job_id} is {job.status.value}; it saves no more checkpoints")
+    try:
+        await manager.request_checkpoint(job.job_id)
+    except (JobNotActiveError, RayActorError) as exc:
+        raise ApiError(409, f"job {job.job_id} is not running") from exc
+    except RunnerBusyError as exc:
+        raise ApiError(503, f"{exc}; retry later", headers={"Retry-After": "2"}) from exc
+    except RayTaskError as exc:
+        raise ApiError(500, f"the job's runner failed to take the request: {getattr(exc, 'cause', None) or exc}") from exc
+    return {
+        "job_id": job.job_id,
+        "requested": True,
+        "message": "a checkpoint will be saved at the end of the current step; watch for its checkpoint event",
+    }
+
+
+@router.get(
+    "/{job_id}/checkpoints/{name}/download",
+    summary="A checkpoint (a Hugging Face model folder) as .tar.gz",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/gzip": {}}}},
+)
+async def download_checkpoint(
+    name: str,
+    job: JobRecord = Depends(owned_job),
+    store: Store = Depends(get_store),
+    settings: ServerSettings = Depends(get_settings),
+) -> StreamingResponse:
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ApiError(422, f"checkpoint name {name!r} is not valid (letters, digits, '_', '.', '-')")
+    record = store.get_checkpoint(job.job_id, name)
+    if record is None:
+        raise not_found(f"checkpoint {name!r} of job {job.job_id}")
+    folder = Path(record.path).resolve()
+    job_dir = settings.job_dir(job.job_id).resolve()
+    # Only the job's own folder is ever served, whatever path a runner reported.
+    if not folder.is_relative_to(job_dir) or not folder.is_dir():
+        raise ApiError(404, f"checkpoint {name!r} of job {job.job_id} is listed but its files are not on the server")
+    return StreamingResponse(
+        iter_tar_gz(folder, name),
+        media_type="application/gzip",
+        headers={"Content-Disposition": f'attachment; filename="{job.job_id}-{name}.tar.gz"'},
+    )

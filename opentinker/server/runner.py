@@ -1,0 +1,149 @@
+"""One training job, run inside a Ray actor (the server wraps this plain class).
+
+The actor is threaded (``max_concurrency > 1``): ``run`` blocks in one thread while the
+server calls ``drain_events``, ``push_batch``, ``cancel`` and ``request_checkpoint`` from
+others. Events are buffered here and pulled by the server, so the actor may live on any
+node of a Ray cluster; nothing in this module touches the server's database.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from opentinker.protocol import JobCreate
+
+_BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
+
+
+def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as JSON values: non-finite floats become None (strict JSON has no NaN)."""
+    safe: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            safe[key] = None
+        elif isinstance(value, (bool, int, float, str)) or value is None:
+            safe[key] = value
+        else:
+            safe[key] = str(value)
+    return safe
+
+
+class JobCancelled(Exception):
+    """Raised inside the loop when the job was asked to stop."""
+
+
+class JobRunner:
+    def __init__(
+        self,
+        job_id: str,
+        spec: dict[str, Any],
+        job_dir: str,
+        allowed_interactions: list[str] | None = None,
+        default_model: str | None = None,
+    ):
+        self.job_id = job_id
+        self.spec = JobCreate.model_validate(spec)
+        self.job_dir = Path(job_dir)
+        self.allowed_interactions = list(allowed_interactions or [])
+        self.default_model = default_model
+        self._events: list[dict[str, Any]] = []
+        self._events_lock = threading.Lock()
+        # By step index, not FIFO: calls into a threaded actor may land out of order.
+        self._batches: dict[int, list[dict]] = {}
+        self._batch_ready = threading.Condition()
+        self._cancel = threading.Event()
+        self._checkpoint = threading.Event()
+        self.step = 0
+
+    # -- called by the server ------------------------------------------------------
+    def drain_events(self) -> list[dict[str, Any]]:
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def push_batch(self, step: int, rows: list[dict]) -> None:
+        with self._batch_ready:
+            self._batches[step] = rows
+            self._batch_ready.notify_all()
+
+    def queued(self) -> int:
+        with self._batch_ready:
+            return len(self._batches)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def request_checkpoint(self) -> None:
+        self._checkpoint.set()
+
+    # -- the job -------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train to the end (or until cancelled); never raises, returns the outcome."""
+        trainer = None
+        try:
+            trainer = self._build_trainer()
+            total = trainer.cfg.trainer.total_training_steps
+            self._emit("log", {"message": f"model {trainer.model_path} loaded; training {total} steps"})
+            initial = trainer.initial_validation()
+            if initial:
+                self._emit("metrics", {"step": 0, "metrics": _json_safe(initial)})
+            while trainer.global_step < total:
+                rows = self._next_rows(trainer.global_step + 1)
+                save = self._checkpoint.is_set()
+                self._checkpoint.clear()
+                metrics = trainer.train_step(rows, save=save)
+                self.step = trainer.global_step
+                self._emit("metrics", {"step": self.step, "metrics": _json_safe(metrics)})
+                self._emit("progress", {"step": self.step, "total_steps": total})
+                if "checkpoint" in metrics:
+                    path = Path(metrics["checkpoint"])
+                    self._emit("checkpoint", {"step": self.step, "name": path.parent.name, "path": str(path)})
+                if self._cancel.is_set():
+                    raise JobCancelled
+            return {"status": "completed", "error": None, "step": self.step}
+        except JobCancelled:
+            return {"status": "cancelled", "error": None, "step": self.step}
+        except Exception as error:  # the job fails; the server and other jobs go on
+            message = f"{type(error).__name__}: {error}"
+            self._emit("error", {"message": message, "traceback": traceback.format_exc(limit=20)})
+            return {"status": "failed", "error": message, "step": self.step}
+        finally:
+            if trainer is not None:
+                trainer.close()
+
+    def _build_trainer(self):
+        from opentinker.config import make_config
+        from opentinker.engine.trainer import RLTrainer
+        from opentinker.environments.registry import default_registry
+
+        server_side = {
+            "trainer": {"default_local_dir": str(self.job_dir / "checkpoints"), "progress_bar": False},
+        }
+        cfg = make_config(self.spec.config, server_side)
+        if cfg.actor_rollout_ref.model.path is None and self.default_model:
+            cfg.actor_rollout_ref.model.path = self.default_model
+        interactions = default_registry(allowed=self.allowed_interactions).build(self.spec.interactions)
+        return RLTrainer(cfg, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
+                         interactions=interactions or None)
+
+    def _next_rows(self, step: int) -> list[dict] | None:
+        """Server mode: None (the trainer's own loader). Client mode: the pushed batch for ``step``."""
+        if self._cancel.is_set():
+            raise JobCancelled
+        if self.spec.mode == "server":
+            return None
+        with self._batch_ready:
+            while step not in self._batches:
+                if self._cancel.is_set():
+                    raise JobCancelled
+                self._batch_ready.wait(timeout=_BATCH_WAIT_S)
+            return self._batches.pop(step)
+
+    def _emit(self, event_type: str, data: dict[str, Any]) -> None:
+        with self._events_lock:
+            self._events.append({"type": event_type, "data": data, "created_at": time.time()})

@@ -1,0 +1,482 @@
+"""The durable state of the server: users, API keys, jobs, their events, checkpoints and pushed steps.
+
+One SQLite file (``<data_dir>/opentinker.db``) in WAL mode, so readers (an SSE stream
+polling for events) never wait on the writer. One connection is shared by all threads
+behind a lock: every call is a short indexed query, cheap enough to run directly on the
+event loop. A job's heavy state lives in its Ray actor; what is here is what survives a
+restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opentinker.protocol import CheckpointInfo, Event, JobInfo, JobStatus, StepAccepted
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS users (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id INTEGER PRIMARY KEY,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    key_hash TEXT NOT NULL UNIQUE,
+    prefix TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    name TEXT,
+    mode TEXT NOT NULL,
+    status TEXT NOT NULL,
+    spec_json TEXT NOT NULL,
+    config_json TEXT NOT NULL,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER NOT NULL,
+    error TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    idempotency_key TEXT  -- of the POST /v1/jobs that created it, so a retried create finds it
+);
+CREATE INDEX IF NOT EXISTS jobs_by_user ON jobs(user_id, created_at);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    seq INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    data_json TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    name TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, name)
+);
+CREATE TABLE IF NOT EXISTS steps (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    step INTEGER NOT NULL,
+    idempotency_key TEXT,
+    accepted_json TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS steps_by_key ON steps(job_id, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+"""
+
+_UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+
+
+@dataclass(frozen=True)
+class User:
+    id: int
+    name: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class ApiKeyInfo:
+    """What is kept of a key: never the key, only its hash and its first characters."""
+
+    id: int
+    user_name: str
+    prefix: str
+    created_at: float
+    revoked: bool
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A row of ``jobs``. ``spec`` is the JobCreate the user sent (as a dict); ``config``
+    the resolved config in dotted keys."""
+
+    job_id: str
+    user_id: int
+    name: str | None
+    mode: str
+    status: JobStatus
+    spec: dict[str, Any]
+    config: dict[str, Any]
+    step: int
+    total_steps: int
+    error: str | None
+    created_at: float
+    updated_at: float
+
+    def info(self) -> JobInfo:
+        return JobInfo(
+            job_id=self.job_id,
+            name=self.name,
+            mode=self.mode,  # type: ignore[arg-type]
+            status=self.status,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            step=self.step,
+            total_steps=self.total_steps,
+            error=self.error,
+            config=self.config,
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    job_id: str
+    name: str
+    step: int
+    path: str
+    created_at: float
+
+    def info(self) -> CheckpointInfo:
+        return CheckpointInfo(name=self.name, step=self.step, created_at=self.created_at)
+
+
+class Store:
+    """All reads and writes of the SQLite file; safe to share between threads."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        # isolation_level=None: autocommit; multi-statement writes use an explicit transaction.
+        self._conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30.0)
+        self._conn.row_factory = sqlite3.Row
+        with self._lock:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.executescript(_SCHEMA)
+            columns = {row["name"] for row in self._conn.execute("PRAGMA table_info(jobs)")}
+            if "idempotency_key" not in columns:  # a store made before the column existed
+                self._conn.execute("ALTER TABLE jobs ADD COLUMN idempotency_key TEXT")
+            self._conn.execute(
+                "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_key ON jobs(user_id, idempotency_key) "
+                "WHERE idempotency_key IS NOT NULL"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, tuple(params)).fetchall()
+
+    # users and keys -------------------------------------------------------------------
+
+    def create_user(self, name: str) -> User:
+        """Raises ValueError when the name is taken."""
+        now = time.time()
+        try:
+            with self._transaction() as conn:
+                cur = conn.execute("INSERT INTO users (name, created_at) VALUES (?, ?)", (name, now))
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"user {name!r} already exists") from exc
+        return User(id=int(cur.lastrowid), name=name, created_at=now)
+
+    def get_user(self, name: str) -> User | None:
+        rows = self._query("SELECT id, name, created_at FROM users WHERE name = ?", (name,))
+        return User(**dict(rows[0])) if rows else None
+
+    def list_users(self) -> list[tuple[User, int]]:
+        """Every user with the number of its active keys."""
+        rows = self._query(
+            "SELECT u.id, u.name, u.created_at, "
+            "(SELECT COUNT(*) FROM api_keys k WHERE k.user_id = u.id AND k.revoked = 0) AS active_keys "
+            "FROM users u ORDER BY u.name"
+        )
+        return [(User(id=r["id"], name=r["name"], created_at=r["created_at"]), r["active_keys"]) for r in rows]
+
+    def add_api_key(self, user: User, key_hash: str, prefix: str) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT INTO api_keys (user_id, key_hash, prefix, created_at) VALUES (?, ?, ?, ?)",
+                (user.id, key_hash, prefix, time.time()),
+            )
+
+    def user_for_key_hash(self, key_hash: str) -> User | None:
+        rows = self._query(
+            "SELECT u.id, u.name, u.created_at FROM api_keys k JOIN users u ON u.id = k.user_id "
+            "WHERE k.key_hash = ? AND k.revoked = 0",
+            (key_hash,),
+        )
+        return User(**dict(rows[0])) if rows else None
+
+    def list_api_keys(self, user: User | None = None) -> list[ApiKeyInfo]:
+        sql = (
+            "SELECT k.id, u.name AS user_name, k.prefix, k.created_at, k.revoked "
+            "FROM api_keys k JOIN users u ON u.id = k.user_id"
+        )
+        params: tuple[Any, ...] = ()
+        if user is not None:
+            sql += " WHERE k.user_id = ?"
+            params = (user.id,)
+        rows = self._query(sql + " ORDER BY k.id", params)
+        return [ApiKeyInfo(**{**dict(r), "revoked": bool(r["revoked"])}) for r in rows]
+
+    def revoke_api_key(self, key_hash: str) -> bool:
+        with self._transaction() as conn:
+            cur = conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_hash = ? AND revoked = 0", (key_hash,))
+        return cur.rowcount > 0
+
+    # jobs ----------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        job_id: str,
+        user: User,
+        *,
+        name: str | None,
+        mode: str,
+        spec: dict[str, Any],
+        config: dict[str, Any],
+        total_steps: int,
+        idempotency_key: str | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Insert a queued job and its first status event; returns ``(job, created)``.
+
+        With an ``idempotency_key`` the user already used, nothing is inserted and the job
+        created then is returned with ``created=False``.
+        """
+        now = time.time()
+        with self._transaction() as conn:
+            if idempotency_key is not None:
+                row = conn.execute(
+                    "SELECT job_id FROM jobs WHERE user_id = ? AND idempotency_key = ?", (user.id, idempotency_key)
+                ).fetchone()
+                if row is not None:
+                    earlier = self.get_job(row["job_id"])
+                    assert earlier is not None
+                    return earlier, False
+            conn.execute(
+                "INSERT INTO jobs (job_id, user_id, name, mode, status, spec_json, config_json, step, "
+                "total_steps, error, created_at, updated_at, idempotency_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, NULL, ?, ?, ?)",
+                (
+                    job_id,
+                    user.id,
+                    name,
+                    mode,
+                    JobStatus.QUEUED.value,
+                    json.dumps(spec),
+                    json.dumps(config),
+                    total_steps,
+                    now,
+                    now,
+                    idempotency_key,
+                ),
+            )
+            self._append_event(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
+        job = self.get_job(job_id)
+        assert job is not None
+        return job, True
+
+    def get_job(self, job_id: str, user: User | None = None) -> JobRecord | None:
+        """The job, or None when it does not exist or (with ``user``) belongs to someone else."""
+        sql, params = "SELECT * FROM jobs WHERE job_id = ?", [job_id]
+        if user is not None:
+            sql += " AND user_id = ?"
+            params.append(user.id)
+        rows = self._query(sql, params)
+        return _job(rows[0]) if rows else None
+
+    def list_jobs(self, user: User | None = None) -> list[JobRecord]:
+        """Newest first."""
+        if user is None:
+            rows = self._query("SELECT * FROM jobs ORDER BY created_at DESC, job_id")
+        else:
+            rows = self._query("SELECT * FROM jobs WHERE user_id = ? ORDER BY created_at DESC, job_id", (user.id,))
+        return [_job(r) for r in rows]
+
+    def set_status(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        error: str | None = None,
+        reason: str | None = None,
+        step: int | None = None,
+        unless_finished: bool = True,
+    ) -> bool:
+        """Move the job to ``status`` and append its status event, in one transaction.
+
+        With ``unless_finished`` (the default) a job that already has a final status is
+        left alone and False is returned: the first final status wins (a cancel that
+        arrives while the run is ending, a runner result after a cancel).
+        """
+        now = time.time()
+        with self._transaction() as conn:
+            row = conn.execute("SELECT status, step FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            if unless_finished and JobStatus(row["status"]).finished:
+                return False
+            new_step = row["step"] if step is None else max(int(step), row["step"])
+            conn.execute(
+                "UPDATE jobs SET status = ?, error = COALESCE(?, error), step = ?, updated_at = ? WHERE job_id = ?",
+                (status.value, error, new_step, now, job_id),
+            )
+            data: dict[str, Any] = {"status": status.value}
+            if reason or error:
+                data["reason"] = reason or error
+            self._append_event(conn, job_id, "status", data, now)
+        return True
+
+    def mark_unfinished_interrupted(self, reason: str) -> list[str]:
+        """Every queued or running job becomes ``interrupted`` with ``reason`` as its error
+        (used at startup: their Ray actors died with the previous server process)."""
+        now = time.time()
+        with self._transaction() as conn:
+            ids = [
+                r["job_id"]
+                for r in conn.execute(
+                    f"SELECT job_id FROM jobs WHERE status IN ({','.join('?' * len(_UNFINISHED))}) ORDER BY created_at",
+                    _UNFINISHED,
+                )
+            ]
+            for job_id in ids:
+                conn.execute(
+                    "UPDATE jobs SET status = ?, error = ?, updated_at = ? WHERE job_id = ?",
+                    (JobStatus.INTERRUPTED.value, reason, now, job_id),
+                )
+                self._append_event(conn, job_id, "status", {"status": JobStatus.INTERRUPTED.value, "reason": reason}, now)
+        return ids
+
+    # events --------------------------------------------------------------------------
+
+    @staticmethod
+    def _append_event(conn: sqlite3.Connection, job_id: str, type_: str, data: dict[str, Any], now: float) -> int:
+        (last,) = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id = ?", (job_id,)).fetchone()
+        seq = int(last) + 1
+        conn.execute(
+            "INSERT INTO events (job_id, seq, type, data_json, created_at) VALUES (?, ?, ?, ?, ?)",
+            (job_id, seq, type_, json.dumps(data), now),
+        )
+        return seq
+
+    def append_event(self, job_id: str, type_: str, data: dict[str, Any]) -> int:
+        """Store one event; returns its id (the job's next sequence number)."""
+        return self.append_runner_events(job_id, [{"type": type_, "data": data}])[-1]
+
+    def append_runner_events(self, job_id: str, events: list[dict[str, Any]]) -> list[int]:
+        """Store events drained from a runner, in one transaction, with their side effects:
+        ``progress``/``metrics`` advance the job's step, ``checkpoint`` ({"step", "name",
+        "path"}) is indexed in ``checkpoints`` (the path stays server-side: the event keeps
+        only step and name)."""
+        now = time.time()
+        seqs: list[int] = []
+        with self._transaction() as conn:
+            for event in events:
+                type_, data = event["type"], dict(event.get("data") or {})
+                step = data.get("step")
+                if type_ in ("progress", "metrics") and isinstance(step, int):
+                    conn.execute(
+                        "UPDATE jobs SET step = MAX(step, ?), updated_at = ? WHERE job_id = ?", (step, now, job_id)
+                    )
+                if type_ == "checkpoint":
+                    path = data.pop("path", None)
+                    if isinstance(data.get("name"), str) and path:
+                        conn.execute(
+                            "INSERT OR REPLACE INTO checkpoints (job_id, name, step, path, created_at) "
+                            "VALUES (?, ?, ?, ?, ?)",
+                            (job_id, data["name"], int(data.get("step") or 0), str(path), now),
+                        )
+                seqs.append(self._append_event(conn, job_id, type_, data, now))
+        return seqs
+
+    def list_events(self, job_id: str, after: int = 0, limit: int | None = None) -> list[Event]:
+        sql = "SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq"
+        params: list[Any] = [job_id, after]
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [
+            Event(id=r["seq"], job_id=r["job_id"], type=r["type"], data=json.loads(r["data_json"]), created_at=r["created_at"])
+            for r in self._query(sql, params)
+        ]
+
+    def final_status_event_id(self, job_id: str) -> int | None:
+        """The id of the job's last status event that carries a final status, if any."""
+        finished = [s.value for s in JobStatus if s.finished]
+        rows = self._query(
+            "SELECT MAX(seq) AS seq FROM events WHERE job_id = ? AND type = 'status' "
+            f"AND json_extract(data_json, '$.status') IN ({','.join('?' * len(finished))})",
+            [job_id, *finished],
+        )
+        return rows[0]["seq"] if rows and rows[0]["seq"] is not None else None
+
+    # checkpoints ---------------------------------------------------------------------
+
+    def list_checkpoints(self, job_id: str) -> list[CheckpointRecord]:
+        rows = self._query("SELECT * FROM checkpoints WHERE job_id = ? ORDER BY step, name", (job_id,))
+        return [CheckpointRecord(**dict(r)) for r in rows]
+
+    def get_checkpoint(self, job_id: str, name: str) -> CheckpointRecord | None:
+        rows = self._query("SELECT * FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
+        return CheckpointRecord(**dict(rows[0])) if rows else None
+
+    # client-mode steps ----------------------------------------------------------------
+
+    def get_step(self, job_id: str, step: int) -> StepAccepted | None:
+        rows = self._query("SELECT accepted_json FROM steps WHERE job_id = ? AND step = ?", (job_id, step))
+        return StepAccepted.model_validate_json(rows[0]["accepted_json"]) if rows else None
+
+    def get_step_by_key(self, job_id: str, idempotency_key: str) -> StepAccepted | None:
+        rows = self._query(
+            "SELECT accepted_json FROM steps WHERE job_id = ? AND idempotency_key = ?", (job_id, idempotency_key)
+        )
+        return StepAccepted.model_validate_json(rows[0]["accepted_json"]) if rows else None
+
+    def last_step(self, job_id: str) -> int:
+        """The highest step index accepted for the job (0 before the first)."""
+        rows = self._query("SELECT COALESCE(MAX(step), 0) AS last FROM steps WHERE job_id = ?", (job_id,))
+        return int(rows[0]["last"])
+
+    def add_step(self, job_id: str, accepted: StepAccepted, idempotency_key: str | None) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT INTO steps (job_id, step, idempotency_key, accepted_json, created_at) VALUES (?, ?, ?, ?, ?)",
+                (job_id, accepted.step, idempotency_key, accepted.model_dump_json(), time.time()),
+            )
+
+
+def _job(row: sqlite3.Row) -> JobRecord:
+    return JobRecord(
+        job_id=row["job_id"],
+        user_id=row["user_id"],
+        name=row["name"],
+        mode=row["mode"],
+        status=JobStatus(row["status"]),
+        spec=json.loads(row["spec_json"]),
+        config=json.loads(row["config_json"]),
+        step=row["step"],
+        total_steps=row["total_steps"],
+        error=row["error"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )

@@ -1,0 +1,69 @@
+"""The job runner the server puts in a Ray actor, driven in-process here (Ray: tests/server)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from opentinker.environments.arithmetic import make_problems
+from opentinker.server.runner import JobRunner
+
+FAST = {"trainer.total_training_steps": 2, "trainer.test_freq": -1, "data.train_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "actor_rollout_ref.rollout.n": 4}
+
+
+def rows(count: int, seed: int = 5) -> list[dict]:
+    return [p.as_row() for p in make_problems(count, seed)]
+
+
+def test_server_mode_runs_to_the_end_with_events_and_checkpoints(tiny_model_dir, tmp_path):
+    runner = JobRunner("job", {"mode": "server", "dataset": rows(16), "config": {**FAST, "trainer.save_freq": 1}},
+                       str(tmp_path))
+    outcome = runner.run()
+    events = runner.drain_events()
+    assert outcome == {"status": "completed", "error": None, "step": 2}
+    kinds = [e["type"] for e in events]
+    assert kinds == ["log", "metrics", "progress", "checkpoint", "metrics", "progress", "checkpoint"]
+    checkpoints = [e["data"] for e in events if e["type"] == "checkpoint"]
+    assert [c["name"] for c in checkpoints] == ["global_step_1", "global_step_2"]
+    assert (Path(checkpoints[-1]["path"]) / "config.json").exists()
+    assert all(isinstance(e["data"]["metrics"]["reward/mean"], float) for e in events if e["type"] == "metrics")
+    assert runner.drain_events() == []  # drained once
+
+
+def test_client_mode_trains_pushed_batches_in_step_order(tiny_model_dir, tmp_path):
+    runner = JobRunner("job", {"mode": "client", "config": FAST}, str(tmp_path))
+    runner.push_batch(2, rows(2, seed=8))  # arrives first, trained second
+    runner.push_batch(1, rows(2, seed=7))
+    assert runner.queued() == 2
+    assert runner.run()["status"] == "completed"
+    steps = [e["data"]["step"] for e in runner.drain_events() if e["type"] == "progress"]
+    assert steps == [1, 2] and runner.queued() == 0
+
+
+def test_cancel_while_waiting_for_a_batch(tiny_model_dir, tmp_path):
+    runner = JobRunner("job", {"mode": "client", "config": FAST}, str(tmp_path))
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(runner.run()))
+    thread.start()
+    runner.push_batch(1, rows(2))
+    while not any(e["type"] == "progress" for e in runner._events):
+        thread.join(timeout=0.1)
+    runner.cancel()
+    thread.join(timeout=60)
+    assert outcome == {"status": "cancelled", "error": None, "step": 1}
+
+
+def test_a_failing_job_reports_why(tmp_path):
+    runner = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": str(tmp_path / "nope")}},
+                       str(tmp_path))
+    outcome = runner.run()
+    assert outcome["status"] == "failed" and "does not exist" in outcome["error"]
+    assert [e["type"] for e in runner.drain_events()] == ["error"]
+
+
+def test_interaction_class_paths_go_through_the_allowlist(tmp_path):
+    spec = {"mode": "server", "config": FAST,
+            "interactions": [{"name": "evil", "class_path": "subprocess.Popen", "config": {}}]}
+    outcome = JobRunner("job", spec, str(tmp_path)).run()
+    assert outcome["status"] == "failed" and "subprocess.Popen" in outcome["error"]

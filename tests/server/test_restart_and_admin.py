@@ -1,0 +1,137 @@
+"""What survives a restart, the admin CLI, how keys are kept, and `serve` as a real process."""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import ray
+
+from opentinker.server import auth
+from opentinker.server.jobs import RAY_NAMESPACE, actor_name
+from opentinker.server.store import Store
+
+
+def test_restart_keeps_finished_jobs_and_interrupts_running_ones(start_server, tmp_path, helpers):
+    key = helpers.make_user(tmp_path, "carol")
+    first = start_server(tmp_path)
+    with first.client(key) as client:
+        done = helpers.create_job(client, "quick", steps=2)
+        helpers.wait_status(client, done, "completed")
+        running = helpers.create_job(client, "slow", steps=1000)
+        helpers.wait_status(client, running, "running")
+        done_events = helpers.all_events(client, done)
+        done_checkpoints = client.get(f"/v1/jobs/{done}/checkpoints").json()
+    first.stop()  # its lifespan kills the actors, as a crash of the process would
+    try:
+        ray.get_actor(actor_name(running), namespace=RAY_NAMESPACE)
+        raise AssertionError("the running job's actor outlived its server")
+    except ValueError:
+        pass
+
+    second = start_server(tmp_path)
+    with second.client(key) as client:
+        jobs = {job["job_id"]: job for job in client.get("/v1/jobs").json()["jobs"]}
+        assert jobs[done]["status"] == "completed" and jobs[done]["step"] == 2
+        assert helpers.all_events(client, done) == done_events
+        assert client.get(f"/v1/jobs/{done}/checkpoints").json() == done_checkpoints
+        download = client.get(f"/v1/jobs/{done}/checkpoints/global_step_2/download")
+        assert download.status_code == 200 and download.content[:2] == b"\x1f\x8b"
+
+        interrupted = jobs[running]
+        assert interrupted["status"] == "interrupted"
+        assert re.fullmatch(
+            r"the server stopped while this job was running \(restarted at \d{4}-\d\d-\d\dT[\d:]+\+00:00\)",
+            interrupted["error"],
+        ), interrupted["error"]
+        last = helpers.all_events(client, running)[-1]
+        assert last["type"] == "status"
+        assert last["data"] == {"status": "interrupted", "reason": interrupted["error"]}
+        with client.stream("GET", f"/v1/jobs/{running}/events") as response:
+            assert list(helpers.iter_sse(response))[-1]["event"] == "status"  # and the stream ended
+        assert client.post(f"/v1/jobs/{running}/cancel").json()["status"] == "interrupted"
+        assert client.post(f"/v1/jobs/{running}/checkpoints").status_code == 409
+        assert second.manager.active_job_ids() == []
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker.server.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_admin_cli_creates_users_and_keys_that_are_stored_hashed(tmp_path):
+    data = str(tmp_path)
+    created = _cli("admin", "create-user", "dave", "--data-dir", data)
+    assert created.returncode == 0, created.stderr
+    duplicate = _cli("admin", "create-user", "dave", "--data-dir", data)
+    assert duplicate.returncode == 2 and "already exists" in duplicate.stderr
+
+    issued = _cli("admin", "create-key", "dave", "--data-dir", data)
+    assert issued.returncode == 0, issued.stderr
+    assert "will not be shown again" in issued.stdout
+    key = issued.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"ot-[A-Za-z0-9_-]{43}", key)
+
+    unknown = _cli("admin", "create-key", "nobody", "--data-dir", data)
+    assert unknown.returncode == 2 and "no user named 'nobody'" in unknown.stderr
+    listed = _cli("admin", "list-users", "--data-dir", data)
+    assert listed.returncode == 0 and "dave\t1 active key(s)" in listed.stdout
+
+    store = Store(tmp_path / "opentinker.db")
+    try:
+        assert auth.authenticate(store, key).name == "dave"
+        assert auth.authenticate(store, key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+        (stored_hash, prefix), = store._query("SELECT key_hash, prefix FROM api_keys")
+    finally:
+        store.close()
+    assert stored_hash == auth.hash_key(key) and prefix == key[:8]
+    # Neither the database nor its write-ahead log holds the key itself.
+    for path in tmp_path.glob("opentinker.db*"):
+        raw = path.read_bytes()
+        assert key.encode() not in raw and key[8:].encode() not in raw, path
+    with sqlite3.connect(tmp_path / "opentinker.db") as conn:
+        dump = "\n".join(conn.iterdump())
+    assert key not in dump and auth.hash_key(key) in dump
+
+
+def test_serve_runs_as_a_process_on_loopback(ray_cluster, tmp_path):
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    key = _cli("admin", "create-user", "erin", "--data-dir", str(tmp_path))
+    assert key.returncode == 0
+    key = _cli("admin", "create-key", "erin", "--data-dir", str(tmp_path)).stdout.strip().splitlines()[-1]
+    command = [
+        sys.executable, "-m", "opentinker.server.cli", "serve", "--port", str(port), "--data-dir", str(tmp_path),
+        "--ray-address", ray_cluster, "--log-level", "info",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=url, trust_env=False, timeout=5) as client:
+            while True:
+                try:
+                    if client.get("/v1/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None, process.stdout.read()
+                assert time.monotonic() < deadline, "the server did not answer in 60 s"
+                time.sleep(0.2)
+            assert client.get("/v1/jobs").status_code == 401
+            assert client.get("/v1/version", headers={"Authorization": f"Bearer {key}"}).json()["user"] == "erin"
+            assert client.get("/docs").status_code == 200
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    assert f"listening on {url}" in output
+    assert "Application shutdown complete" in output  # SIGTERM ran the lifespan's shutdown
+    assert process.returncode in (0, -15), output  # uvicorn re-raises the signal it caught
