@@ -7,4 +7,7 @@ engine lives in :mod:`opentinker.engine` and is only imported on the server.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from opentinker.client import GenericEnvironment, JobHandle, OpenTinkerClient  # noqa: E402
+from opentinker.environments.registry import InteractionSpec  # noqa: E402
+
+__all__ = ["GenericEnvironment", "InteractionSpec", "JobHandle", "OpenTinkerClient", "__version__"]
