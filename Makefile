@@ -1,5 +1,6 @@
 # Two entry points do all the set-up on a fresh machine:
-#   make run   - create .venv, install, train the embedded tiny model with GRPO on arithmetic
+#   make run   - create .venv, install, then `opentinker quickstart`: a local server, a short GRPO
+#                job on the embedded tiny model through the thin client, a reward-curve PNG
 #   make test  - create .venv, install with test extras, run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +12,7 @@ STEPS  ?= 150
 RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl_loss=true \
             trainer.test_freq=25 data.val_batch_size=200
 
-.PHONY: run test install venv clean
+.PHONY: run train test install venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,10 @@ $(VENV)/.installed: $(PY) pyproject.toml
 install: $(VENV)/.installed
 
 run: install
+	$(VENV)/bin/opentinker quickstart --steps $(STEPS) $(ARGS)
+
+# The trainer alone, in-process (no server): `make train ARGS="algorithm.adv_estimator=rloo"`.
+train: install
 	$(VENV)/bin/opentinker-train trainer.total_training_steps=$(STEPS) $(RUN_ARGS) $(ARGS)
 
 test: install
