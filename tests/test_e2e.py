@@ -1,0 +1,113 @@
+"""End to end: a real `opentinker-server` process (Ray actor, real trainer, tiny model) and
+the real thin client, over 127.0.0.1."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from opentinker import GenericEnvironment, OpenTinkerClient
+from opentinker.client.local_server import local_server
+from opentinker.environments.arithmetic import make_problems
+from opentinker.protocol import JobCreate, JobStatus
+
+SMALL = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+         "actor_rollout_ref.rollout.n": 4, "trainer.test_freq": -1}
+
+
+def rows(count: int, seed: int = 1) -> list[dict]:
+    return [p.as_row() for p in make_problems(count, seed)]
+
+
+def client_mode_job(client, steps: int):
+    """A client-mode job whose batches this test pushes by hand (no background pusher)."""
+    return client.create_job(JobCreate(mode="client", config={**SMALL, "trainer.total_training_steps": steps}))
+
+
+def wait_for(predicate, timeout_s: float = 120.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with local_server(tmp_path_factory.mktemp("server")) as (url, key):
+        yield url, key
+
+
+@pytest.fixture
+def client(server):
+    with OpenTinkerClient(*server) as client:
+        yield client
+
+
+def test_create_stream_complete_and_download(client, tmp_path):
+    env = GenericEnvironment({**SMALL, "trainer.save_freq": 1}, dataset=rows(16))
+    job = client.submit(env, steps=3)
+    events = list(job.stream())
+    assert [e.id for e in events] == list(range(1, len(events) + 1))  # gap-free, in order
+    assert events[-1].type == "status" and events[-1].data["status"] == "completed"
+    assert [e.data["step"] for e in events if e.type == "progress"] == [1, 2, 3]
+    assert [c.name for c in job.checkpoints()] == ["global_step_1", "global_step_2", "global_step_3"]
+    folder = job.download_checkpoint(dest=tmp_path)
+    assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+    assert len(job.metrics()) == 3 and all("reward/mean" in m["metrics"] for m in job.metrics())
+
+
+def test_reattach_with_last_event_id_loses_nothing(client):
+    job = client.submit(GenericEnvironment(SMALL, dataset=rows(16)), steps=3)
+    first = list(itertools.islice(job.stream(), 3))  # "disconnect" after three events
+    rest = list(job.stream(after=first[-1].id))  # re-attach from the last seen id
+    everything = job.events()
+    assert [e.id for e in first + rest] == [e.id for e in everything]
+    assert rest[-1].data["status"] == "completed"
+
+
+def test_a_repeated_step_push_is_trained_once(client):
+    handle = client_mode_job(client, steps=2)
+    batch = rows(2, seed=9)
+    first = handle.push_step(1, batch, idempotency_key="step-one")
+    again = handle.push_step(1, batch, idempotency_key="step-one")
+    same_step = handle.push_step(1, batch)
+    assert not first.duplicate and again.duplicate and same_step.duplicate
+    handle.push_step(2, rows(2, seed=10))
+    info = handle.wait(progress=False)
+    assert info.status is JobStatus.COMPLETED and info.step == 2
+    assert [e.data["step"] for e in handle.events() if e.type == "progress"] == [1, 2]
+
+
+def test_cancel_frees_the_jobs_resources(client):
+    # Each job's actor holds a CPU of this 2-CPU Ray; if cancel leaked them, later jobs would never start.
+    for _ in range(3):
+        job = client_mode_job(client, steps=50)
+        job.push_step(1, rows(2))
+        wait_for(lambda: any(e.type == "progress" for e in job.events()), what="the first step")
+        assert job.cancel().status is JobStatus.CANCELLED
+    last = client.submit(GenericEnvironment(SMALL, dataset=rows(16)), steps=1)
+    assert last.wait(progress=False, timeout=180).status is JobStatus.COMPLETED
+
+
+def test_server_restart_keeps_finished_jobs_and_interrupts_running_ones(tiny_model_dir, tmp_path):
+    data = tmp_path / "server"
+    with local_server(data) as (url, key), OpenTinkerClient(url, key) as client:
+        done = client.submit(GenericEnvironment(SMALL, dataset=rows(16)), steps=1)
+        assert done.wait(progress=False).status is JobStatus.COMPLETED
+        running = client_mode_job(client, steps=5)
+        running.push_step(1, rows(2))
+        wait_for(lambda: running.info().status is JobStatus.RUNNING, what="the job to run")
+        done_events = [e.id for e in done.events()]
+    with local_server(data) as (url, key), OpenTinkerClient(url, key) as client:
+        jobs = {j.job_id: j for j in client.list_jobs()}
+        assert jobs[done.job_id].status is JobStatus.COMPLETED
+        assert [e.id for e in client.job(done.job_id).events()] == done_events
+        assert [c.name for c in client.job(done.job_id).checkpoints()] == ["global_step_1"]
+        interrupted = jobs[running.job_id]
+        assert interrupted.status is JobStatus.INTERRUPTED
+        assert "server stopped" in interrupted.error
