@@ -111,3 +111,23 @@ def test_server_restart_keeps_finished_jobs_and_interrupts_running_ones(tiny_mod
         interrupted = jobs[running.job_id]
         assert interrupted.status is JobStatus.INTERRUPTED
         assert "server stopped" in interrupted.error
+
+
+def test_setup_fails_at_once_naming_an_unreachable_env_endpoint(client):
+    import socket
+
+    from opentinker import InteractionSpec
+    from opentinker.client.errors import EnvironmentSetupError
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    env = GenericEnvironment(SMALL, [InteractionSpec(name="guess", class_path="gym", config={"env_endpoint": dead_url})],
+                             data_generator=lambda i: {"extra_info": {"interaction_kwargs": {"name": "guess"}}})
+    started = time.monotonic()
+    with pytest.raises(EnvironmentSetupError, match=dead_url):
+        env.setup(client)
+    assert time.monotonic() - started < 30
+    bad_class = GenericEnvironment(SMALL, [InteractionSpec(name="x", class_path="os.system")], dataset=rows(4))
+    with pytest.raises(EnvironmentSetupError, match="opentinker.environments.gym_interaction.GymEnvironmentInteraction"):
+        bad_class.setup(client)
