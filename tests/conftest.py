@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
+
+HEAVY_PACKAGES = ("torch", "transformers", "ray", "vllm")
+_HEAVY_IMPORT_BLOCKER = textwrap.dedent(
+    f"""
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {HEAVY_PACKAGES!r}:
+                raise ImportError("blocked heavy import: " + name)
+    sys.meta_path.insert(0, Block())
+    """
+)
+
+
+@pytest.fixture
+def run_without_heavy_packages():
+    """``run(code) -> CompletedProcess``: Python code in a subprocess where importing torch,
+    transformers, ray or vllm fails, as on a laptop with only the thin client."""
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _HEAVY_IMPORT_BLOCKER + textwrap.dedent(code)],
+                              capture_output=True, text=True, timeout=60)
+
+    return run
 
 
 @pytest.fixture(scope="session")

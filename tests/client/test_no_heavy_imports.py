@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import textwrap
 
-HEAVY = ("torch", "transformers", "ray", "vllm")
-
-BLOCKER = textwrap.dedent(
-    f"""
-    import sys
-    class Block:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {HEAVY!r}:
-                raise ImportError("blocked heavy import: " + name)
-    sys.meta_path.insert(0, Block())
-    """
-)
-
-
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCKER + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=60)
-
-
-def test_client_imports_and_works_without_heavy_packages():
-    result = _run(
+def test_client_imports_and_works_without_heavy_packages(run_without_heavy_packages):
+    result = run_without_heavy_packages(
         """
         try:
             import torch
@@ -50,8 +29,8 @@ def test_client_imports_and_works_without_heavy_packages():
     assert result.stdout.strip() == "ok"
 
 
-def test_cli_help_runs_without_heavy_packages():
-    result = _run(
+def test_cli_help_runs_without_heavy_packages(run_without_heavy_packages):
+    result = run_without_heavy_packages(
         """
         import runpy
         sys.argv = ["opentinker", "--help"]
