@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 
 def test_client_imports_and_works_without_heavy_packages(run_without_heavy_packages):
     result = run_without_heavy_packages(
