@@ -131,6 +131,7 @@ class RLTrainer:
                 self.interactions,
             )
         self.global_step = 0
+        self.wandb_run = start_wandb(cfg) if "wandb" in cfg.trainer.logger else None
 
     def _make_rollout_engine(self) -> RolloutEngine:
         ar = self.cfg.actor_rollout_ref
@@ -351,15 +352,32 @@ class RLTrainer:
                 val=f"{last_val.get('val/accuracy', float('nan')):.3f}",
             )
             progress.update(1)
+            if self.wandb_run is not None:
+                self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+                                   step=self.global_step)
             if on_step is not None:
                 on_step(self.global_step, metrics)
         progress.close()
         return history
 
     def close(self) -> None:
-        """Stop the agent-loop threads (the trainer is unusable afterwards)."""
+        """Stop the agent-loop threads and the wandb run (the trainer is unusable afterwards)."""
         if self.agent_loops is not None:
             self.agent_loops.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def start_wandb(cfg: DictConfig):
+    """A wandb run named by trainer.project_name / experiment_name (``trainer.logger`` has wandb)."""
+    try:
+        import wandb
+    except ImportError as error:
+        raise ConfigError(
+            "trainer.logger includes 'wandb' but wandb is not installed: pip install 'opentinker[wandb]'"
+        ) from error
+    return wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
+                      config=OmegaConf.to_container(cfg, resolve=True))
 
 
 def _format(metrics: dict[str, float]) -> str:

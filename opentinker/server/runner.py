@@ -60,6 +60,15 @@ class JobRunner:
         self._checkpoint = threading.Event()
         self.step = 0
 
+    @staticmethod
+    def ray_actor_options(spec: dict[str, Any]) -> dict[str, Any]:
+        """Ray resources for the job's actor: GPUs when the job asks for them (Ray hides GPUs
+        from actors that do not reserve any)."""
+        from opentinker.config import make_config
+
+        gpus = make_config(spec.get("config") or {}).trainer.n_gpus_per_node
+        return {"num_gpus": gpus} if gpus > 0 else {}
+
     # -- called by the server ------------------------------------------------------
     def drain_events(self) -> list[dict[str, Any]]:
         with self._events_lock:

@@ -67,3 +67,8 @@ def test_interaction_class_paths_go_through_the_allowlist(tmp_path):
             "interactions": [{"name": "evil", "class_path": "subprocess.Popen", "config": {}}]}
     outcome = JobRunner("job", spec, str(tmp_path)).run()
     assert outcome["status"] == "failed" and "subprocess.Popen" in outcome["error"]
+
+
+def test_gpu_jobs_reserve_gpus_for_their_actor():
+    assert JobRunner.ray_actor_options({"config": {"trainer.n_gpus_per_node": 1}}) == {"num_gpus": 1}
+    assert JobRunner.ray_actor_options({"config": {}}) == {}

@@ -109,3 +109,9 @@ def test_grpo_raises_heldout_accuracy_of_the_warm_tiny_model(tiny_model_dir, tmp
     assert after >= before + 0.12
     rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
     assert sum(rewards[-15:]) / 15 > sum(rewards[:15]) / 15  # the training reward rises too
+
+
+def test_wandb_logger_without_wandb_installed_is_a_clear_error(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail, as when it is not installed
+    with pytest.raises(ConfigError, match="pip install 'opentinker\\[wandb\\]'"):
+        RLTrainer(make_config([*FAST, "trainer.logger=[console,wandb]"]))
