@@ -86,6 +86,7 @@ DEFAULTS: dict[str, Any] = {
             "gpu_memory_utilization": 0.5,
             "max_batch_size": 256,  # concurrent sequences in one generate call
             "val_temperature": 0.0,  # greedy validation
+            "val_n": 1,  # samples per validation prompt; > 1 (with val_temperature > 0) reports pass@k
             "ignore_eos": False,  # always generate data.max_response_length tokens (benchmarks)
             "multi_turn": {  # agent loops; the total response budget is data.max_response_length
                 "max_assistant_turns": 5,
@@ -101,7 +102,19 @@ DEFAULTS: dict[str, Any] = {
         "norm_adv_by_std_in_grpo": True,
         "gamma": 1.0,
         "lam": 1.0,
+        # Creativity (grpo_weighted_add / grpo_weighted_mul): weight = (same-strategy count) ** -weight_power.
         "weight_power": 0.7,
+        "enable_solution_classification": False,  # ask the strategy judge for labels
+        "classify_only_correct": True,  # only responses with reward > 0 are grouped; others weigh 1
+        "weight_positive_only": False,  # mul: weight positive advantages only
+        "judge": {
+            "kind": "lexical",  # openai | hf | lexical (no model)
+            "model": None,  # openai: chat model name; hf: a local model folder or hub name
+            "base_url": None,  # openai: OPENAI_BASE_URL by default
+            "max_concurrency": 8,
+            "timeout_s": 60.0,
+            "max_retries": 3,
+        },
     },
     "trainer": {
         "total_training_steps": 20,
@@ -278,6 +291,7 @@ def validate(cfg: DictConfig) -> None:
         "actor_rollout_ref.actor.ppo_epochs",
         "actor_rollout_ref.ref.log_prob_micro_batch_size",
         "actor_rollout_ref.rollout.max_batch_size",
+        "actor_rollout_ref.rollout.val_n",
         "trainer.total_training_steps",
     ):
         _positive(cfg, key)
@@ -308,6 +322,13 @@ def validate(cfg: DictConfig) -> None:
             f"config key 'actor_rollout_ref.rollout.name' must be 'transformers' or 'vllm', "
             f"got {cfg.actor_rollout_ref.rollout.name!r}"
         )
+    if cfg.actor_rollout_ref.rollout.val_n > 1 and cfg.actor_rollout_ref.rollout.val_temperature == 0:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.val_n > 1 needs actor_rollout_ref.rollout.val_temperature > 0 "
+            "(greedy samples would all be the same)"
+        )
+    if cfg.algorithm.judge.kind not in ("openai", "hf", "lexical"):
+        raise ConfigError(f"config key 'algorithm.judge.kind' must be openai, hf or lexical, got {cfg.algorithm.judge.kind!r}")
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     for key in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
         _positive(cfg, f"actor_rollout_ref.rollout.multi_turn.{key}")

@@ -7,12 +7,13 @@ update -> weight sync -> metrics. Everything heavy sits behind two objects: the 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -35,9 +36,10 @@ from opentinker.engine.policy_worker import WorkerGroup, make_worker_group
 from opentinker.engine.rollout import RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine
 from opentinker.environments.interaction import Interaction
 
+if TYPE_CHECKING:
+    from opentinker.creativity import StrategyJudge
+
 StepCallback = Callable[[int, dict[str, float]], None]
-StrategyLabeler = Callable[[Prompt, Sequence[str]], Sequence[Any]]
-"""Labels the n responses of one prompt by solution strategy (grpo_weighted_*)."""
 
 
 @dataclass
@@ -79,7 +81,7 @@ class RLTrainer:
         train_rows: Sequence[dict] | None = None,
         val_rows: Sequence[dict] | None = None,
         reward_fn: RewardFn | None = None,
-        strategy_labeler: StrategyLabeler | None = None,
+        strategy_judge: "StrategyJudge | None" = None,
         interactions: Mapping[str, Interaction] | None = None,
     ):
         self.cfg = cfg
@@ -89,7 +91,7 @@ class RLTrainer:
                 "train yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline"
             )
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.strategy_labeler = strategy_labeler
+        self.strategy_judge = strategy_judge
         torch.manual_seed(cfg.trainer.seed)
 
         self.interactions = dict(interactions or {})
@@ -132,6 +134,8 @@ class RLTrainer:
             )
         self.global_step = 0
         self.wandb_run = start_wandb(cfg) if "wandb" in cfg.trainer.logger else None
+        if self.strategy_judge is None and cfg.algorithm.enable_solution_classification:
+            self.strategy_judge = judge_from_config(cfg, self.model_path)
 
     def _make_rollout_engine(self) -> RolloutEngine:
         ar = self.cfg.actor_rollout_ref
@@ -209,9 +213,9 @@ class RLTrainer:
 
     def compute_advantages(self, batch: TokenBatch, rollout: Rollout) -> dict[str, float]:
         algorithm = self.cfg.algorithm
-        labels = None
+        labels, label_metrics = None, {}
         if algorithm.adv_estimator.startswith("grpo_weighted"):
-            labels = self.strategy_labels(rollout)
+            labels, label_metrics = self.strategy_labels(rollout)
         advantages, returns, metrics = self.estimator(
             self.token_rewards(batch, rollout.rewards),
             batch.response_mask,
@@ -220,20 +224,37 @@ class RLTrainer:
             gamma=algorithm.gamma,
             lam=algorithm.lam,
             weight_power=algorithm.weight_power,
+            weight_positive_only=algorithm.weight_positive_only,
             strategy_labels=labels,
         )
         batch.tensors["advantages"] = advantages
-        return {**metrics, "advantages/mean": float(masked_mean(advantages, batch.response_mask))}
+        return {**metrics, **label_metrics, "advantages/mean": float(masked_mean(advantages, batch.response_mask))}
 
-    def strategy_labels(self, rollout: Rollout) -> list[Any]:
-        """Without a labeler every response is its own strategy-less sample (weight 1)."""
-        if self.strategy_labeler is None:
-            return [None] * len(rollout.prompts)
-        n = self.cfg.actor_rollout_ref.rollout.n
-        labels: list[Any] = []
-        for start in range(0, len(rollout.prompts), n):
-            labels.extend(self.strategy_labeler(rollout.prompts[start], rollout.texts[start : start + n]))
-        return labels
+    def strategy_labels(self, rollout: Rollout) -> tuple[list[Any], dict[str, float]]:
+        """One strategy label per sample from the judge; ``None`` (weight 1) where a sample is not
+        classified: no judge, an incorrect response under ``classify_only_correct``, or a group the
+        judge failed on (a fallback, counted in ``creativity/judge_fallbacks``)."""
+        labels: list[Any] = [None] * len(rollout.prompts)
+        if self.strategy_judge is None:
+            return labels, {}
+        members_of: dict[str, list[int]] = {}
+        for index, prompt in enumerate(rollout.prompts):
+            if not self.cfg.algorithm.classify_only_correct or rollout.rewards[index] > 0:
+                members_of.setdefault(prompt.uid, []).append(index)
+        groups = list(members_of.values())
+        requests = [(question_of(rollout, members[0]), [rollout.texts[i] for i in members]) for members in groups]
+        results = self.strategy_judge.label_groups(requests) if requests else []
+        fallbacks = 0
+        for members, result in zip(groups, results):
+            if result is None:
+                fallbacks += 1
+                continue
+            for index, label in zip(members, result):
+                labels[index] = label
+        metrics = dict(self.strategy_judge.pop_metrics())
+        metrics["creativity/judge_fallbacks"] = fallbacks
+        metrics["creativity/classified_fraction"] = sum(label is not None for label in labels) / len(labels)
+        return labels, metrics
 
     def sync_weights(self) -> None:
         self.rollout.update_weights(self.workers.state_dict())
@@ -300,11 +321,20 @@ class RLTrainer:
 
     # -- validation and checkpoints -------------------------------------------------
     def validate(self) -> dict[str, float]:
+        """Accuracy (mean of reward > 0) on the held-out prompts; with ``rollout.val_n > 1``
+        also pass@k for k = 1, 2, 4, ... up to val_n (unbiased estimator)."""
         if not self.val_prompts:
             return {}
-        rollout = self.generate(self.val_prompts, 1, validation=True)
-        return {"val/accuracy": sum(r > 0 for r in rollout.rewards) / len(rollout.rewards),
-                "val/reward_mean": sum(rollout.rewards) / len(rollout.rewards)}
+        samples = self.cfg.actor_rollout_ref.rollout.val_n
+        rollout = self.generate(self.val_prompts, samples, validation=True)
+        rewards = rollout.rewards
+        metrics = {"val/accuracy": sum(r > 0 for r in rewards) / len(rewards),
+                   "val/reward_mean": sum(rewards) / len(rewards)}
+        if samples > 1:
+            correct = [sum(r > 0 for r in rewards[i:i + samples]) for i in range(0, len(rewards), samples)]
+            for k in sorted({min(2 ** e, samples) for e in range(samples.bit_length() + 1)}):
+                metrics[f"val/pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(correct)
+        return metrics
 
     def save_checkpoint(self) -> Path | None:
         root = self.cfg.trainer.default_local_dir
@@ -366,6 +396,36 @@ class RLTrainer:
             self.agent_loops.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Probability that at least one of k samples drawn from n (``correct`` right) is right."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def question_of(rollout: Rollout, index: int) -> str:
+    """The user's question of a sample (its first user message), for the strategy judge."""
+    for message in rollout.trajectories[index].messages or rollout.prompts[index].row.get("prompt") or []:
+        if message.get("role") == "user":
+            return message["content"]
+    return ""
+
+
+def judge_from_config(cfg: DictConfig, policy_model_path: str) -> "StrategyJudge":
+    from opentinker.creativity import make_judge
+
+    judge = cfg.algorithm.judge
+    options: dict[str, Any] = {"max_concurrency": judge.max_concurrency, "timeout_s": judge.timeout_s,
+                               "max_retries": judge.max_retries}
+    if judge.kind == "openai":
+        options.update({k: v for k, v in (("model", judge.model), ("base_url", judge.base_url)) if v})
+    elif judge.kind == "hf":
+        options = {"model": judge.model or policy_model_path}  # the policy model by default
+    else:
+        options = {}
+    return make_judge(judge.kind, **options)
 
 
 def start_wandb(cfg: DictConfig):

@@ -311,6 +311,7 @@ def _grpo_weighted(
     weight_power: float,
     epsilon: float,
     norm_adv_by_std_in_grpo: bool,
+    weight_positive_only: bool = False,
 ) -> AdvantageOutput:
     """GRPO advantage combined (``add`` or ``mul``) with per-sample strategy weights."""
     rewards, mask = _prepare(token_rewards, response_mask)
@@ -320,7 +321,12 @@ def _grpo_weighted(
     per_sample = _grpo_sequence_advantages(_sequence_scores(rewards), ids, num_groups, epsilon, norm_adv_by_std_in_grpo)
     weight_list, distinct_mean = _strategy_weights(ids, num_groups, labels, weight_power)
     weights = torch.tensor(weight_list, dtype=torch.float64, device=rewards.device)
-    combined = per_sample + weights if combine == "add" else per_sample * weights
+    if combine == "add":
+        combined = per_sample + weights
+    elif weight_positive_only:  # rarity scales rewarded samples only; penalties stay as GRPO's
+        combined = torch.where(per_sample > 0, per_sample * weights, per_sample)
+    else:
+        combined = per_sample * weights
     advantages = _broadcast(combined, mask)
     metrics = {
         "creativity/weight_mean": sum(weight_list) / max(batch_size, 1),
@@ -374,10 +380,12 @@ def grpo_weighted_mul(
     weight_power: float = 0.7,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    weight_positive_only: bool = False,
     **_: Any,
 ) -> AdvantageOutput:
     """GRPO advantage scaled by the sample's strategy weight: ``A = A_grpo * w``.
 
+    ``weight_positive_only`` scales only positive advantages (negative ones stay plain GRPO).
     Weights and metrics as in :func:`grpo_weighted_add`.
     """
     return _grpo_weighted(
@@ -389,4 +397,5 @@ def grpo_weighted_mul(
         weight_power=weight_power,
         epsilon=epsilon,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        weight_positive_only=weight_positive_only,
     )

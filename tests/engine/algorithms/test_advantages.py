@@ -254,3 +254,20 @@ def test_empty_batch():
         adv, ret, metrics = _estimate(name, torch.zeros(0, 3), torch.zeros(0, 3), [], strategy_labels=[])
         assert adv.shape == ret.shape == (0, 3)
         assert all(v == v for v in metrics.values())  # no NaN
+
+
+def test_grpo_weighted_mul_positive_only_leaves_penalties_alone():
+    # one group of 4: rewards [1, 1, 0, 0] -> mean 0.5, unbiased std 0.57735 -> A = [+0.866, +0.866, -0.866, -0.866]
+    # labels [a, b, a, a]: counts a=3, b=1 -> w = [3^-0.7, 1, 3^-0.7, 3^-0.7] = [0.46346, 1, 0.46346, 0.46346]
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [0.0]])
+    mask = torch.ones(4, 1)
+    labels = ["a", "b", "a", "a"]
+    from opentinker.engine.algorithms import get_advantage_estimator
+
+    mul = get_advantage_estimator("grpo_weighted_mul")
+    plain, _, _ = mul(rewards, mask, [0, 0, 0, 0], strategy_labels=labels)
+    positive_only, _, _ = mul(rewards, mask, [0, 0, 0, 0], strategy_labels=labels, weight_positive_only=True)
+    assert plain.squeeze(-1).tolist() == pytest.approx([0.866025 * 0.463463, 0.866025, -0.866025 * 0.463463,
+                                                        -0.866025 * 0.463463], abs=1e-5)
+    assert positive_only.squeeze(-1).tolist() == pytest.approx([0.866025 * 0.463463, 0.866025, -0.866025,
+                                                                -0.866025], abs=1e-5)
