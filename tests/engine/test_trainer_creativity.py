@@ -56,3 +56,19 @@ def test_an_unreachable_judge_falls_back_to_weight_one_and_training_goes_on(tiny
     assert metrics["creativity/classified_fraction"] == 0
     assert metrics["creativity/weight_mean"] == 1.0  # mul is then plain GRPO
     assert metrics["actor/optimizer_steps"] == 1
+
+
+@pytest.mark.slow
+def test_creativity_train_script_runs_to_the_end(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "creativity" / "creativity_train.sh"
+    result = subprocess.run(["bash", str(script), "trainer.progress_bar=false", "data.val_batch_size=8"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHON": sys.executable, "STEPS": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "creativity-grpo_weighted_mul" / "actor" / "config.json").exists()
+    assert "val/pass@8" in result.stdout

@@ -271,3 +271,33 @@ def test_grpo_weighted_mul_positive_only_leaves_penalties_alone():
                                                         -0.866025 * 0.463463], abs=1e-5)
     assert positive_only.squeeze(-1).tolist() == pytest.approx([0.866025 * 0.463463, 0.866025, -0.866025,
                                                                 -0.866025], abs=1e-5)
+
+
+@pytest.mark.parametrize("frequency", range(1, 9))
+@pytest.mark.parametrize("combine", ["add", "mul"])
+def test_weighted_estimators_for_every_strategy_frequency(frequency, combine):
+    """n = 8 samples of one prompt; `frequency` of them share strategy "a", the rest are each unique.
+    Rewards alternate 1, 0 so GRPO advantages are +-0.935414 (mean 0.5, unbiased std 0.534522)."""
+    from opentinker.engine.algorithms import get_advantage_estimator
+
+    rewards = torch.tensor([[1.0], [0.0]] * 4)
+    labels = ["a"] * frequency + [f"unique{i}" for i in range(8 - frequency)]
+    advantages, _, metrics = get_advantage_estimator(f"grpo_weighted_{combine}")(
+        rewards, torch.ones(8, 1), [0] * 8, strategy_labels=labels)
+    grpo = [0.935414 if i % 2 == 0 else -0.935414 for i in range(8)]
+    weights = [frequency ** -0.7 if i < frequency else 1.0 for i in range(8)]  # e.g. 8 ** -0.7 = 0.233258
+    expected = [a + w if combine == "add" else a * w for a, w in zip(grpo, weights)]
+    assert advantages.squeeze(-1).tolist() == pytest.approx(expected, abs=1e-5)
+    assert metrics["creativity/distinct_strategies_mean"] == 1 + (8 - frequency)
+
+
+def test_unclassified_samples_weigh_one_as_with_classify_only_correct():
+    """classify_only_correct gives incorrect samples no label (None): their weight is exactly 1."""
+    from opentinker.engine.algorithms import get_advantage_estimator
+
+    rewards = torch.tensor([[1.0], [1.0], [1.0], [0.0]])  # mean 0.75, std 0.5 -> A = [0.5, 0.5, 0.5, -1.5]
+    labels = ["s0", "s0", "s1", None]  # weights [2^-0.7, 2^-0.7, 1, 1] = [0.615572, 0.615572, 1, 1]
+    mul, _, _ = get_advantage_estimator("grpo_weighted_mul")(rewards, torch.ones(4, 1), [0] * 4, strategy_labels=labels)
+    add, _, _ = get_advantage_estimator("grpo_weighted_add")(rewards, torch.ones(4, 1), [0] * 4, strategy_labels=labels)
+    assert mul.squeeze(-1).tolist() == pytest.approx([0.307786, 0.307786, 0.5, -1.5], abs=1e-5)
+    assert add.squeeze(-1).tolist() == pytest.approx([1.115572, 1.115572, 1.5, -0.5], abs=1e-5)
