@@ -12,17 +12,10 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from opentinker.engine.data import chat_prompt_ids
+from opentinker.engine.data import chat_prompt_ids, render_chat_ids
 
 # A throwaway exchange: what the template adds after it is the increment for a new turn.
 _PROBE = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "probe"}]
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 class ChatTemplater:
@@ -36,7 +29,7 @@ class ChatTemplater:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
-        self._probe_ids = _render(tokenizer, _PROBE, add_generation_prompt=False)
+        self._probe_ids = render_chat_ids(tokenizer, _PROBE, add_generation_prompt=False)
         last_eos = max((i for i, t in enumerate(self._probe_ids) if t in self.eos_token_ids), default=None)
         if last_eos is None:
             raise ValueError("the chat template does not end an assistant turn with an end-of-sequence token")
@@ -52,7 +45,7 @@ class ChatTemplater:
         ``model_turn_ended`` is False when the model was cut off before its end-of-turn token;
         the template's end-of-turn token is then supplied here (as an environment token).
         """
-        full = _render(self.tokenizer, [*_PROBE, {"role": role, "content": text}], add_generation_prompt=True)
+        full = render_chat_ids(self.tokenizer, [*_PROBE, {"role": role, "content": text}], add_generation_prompt=True)
         if full[: len(self._probe_ids)] != self._probe_ids:
             raise ValueError("the chat template re-renders earlier turns when a message is added; "
                              "incremental multi-turn tokenization needs an append-only template")

@@ -24,12 +24,19 @@ class Prompt:
     row: dict[str, Any]
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template plus the assistant prompt."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+def render_chat_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], add_generation_prompt: bool
+) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template plus the assistant prompt."""
+    return render_chat_ids(tokenizer, messages, add_generation_prompt=True)
 
 
 def tokenize_rows(

@@ -2,13 +2,12 @@
 
 The actor is threaded (``max_concurrency > 1``): ``run`` blocks in one thread while the
 server calls ``drain_events``, ``push_batch``, ``cancel`` and ``request_checkpoint`` from
-others. Events are buffered here and pulled by the server, so the actor may live on any
+others. Events are buffered here and pulled by the server (which makes them JSON-safe), so the actor may live on any
 node of a Ray cluster; nothing in this module touches the server's database.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import traceback
@@ -18,19 +17,6 @@ from typing import Any
 from opentinker.protocol import JobCreate
 
 _BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
-
-
-def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics as JSON values: non-finite floats become None (strict JSON has no NaN)."""
-    safe: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            safe[key] = None
-        elif isinstance(value, (bool, int, float, str)) or value is None:
-            safe[key] = value
-        else:
-            safe[key] = str(value)
-    return safe
 
 
 class JobCancelled(Exception):
@@ -100,14 +86,14 @@ class JobRunner:
             self._emit("log", {"message": f"model {trainer.model_path} loaded; training {total} steps"})
             initial = trainer.initial_validation()
             if initial:
-                self._emit("metrics", {"step": 0, "metrics": _json_safe(initial)})
+                self._emit("metrics", {"step": 0, "metrics": initial})
             while trainer.global_step < total:
                 rows = self._next_rows(trainer.global_step + 1)
                 save = self._checkpoint.is_set()
                 self._checkpoint.clear()
                 metrics = trainer.train_step(rows, save=save)
                 self.step = trainer.global_step
-                self._emit("metrics", {"step": self.step, "metrics": _json_safe(metrics)})
+                self._emit("metrics", {"step": self.step, "metrics": metrics})
                 self._emit("progress", {"step": self.step, "total_steps": total})
                 if "checkpoint" in metrics:
                     path = Path(metrics["checkpoint"])

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
@@ -17,7 +14,7 @@ from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.rollout import RequestBatcher, SamplingParams
 from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
-from opentinker.environments.server import running_env_server
+from opentinker.environments.server import running_app_servers, running_env_server
 
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
@@ -57,23 +54,6 @@ class SlowStepEnv:
     def step(self, action):
         time.sleep(2.0)
         return "Late.", 1.0, True, {}
-
-
-@contextmanager
-def running_app(app: FastAPI):
-    """A real uvicorn server for an arbitrary app, on a free loopback port."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def invalid_json_app() -> FastAPI:
@@ -247,7 +227,7 @@ def test_env_server_timeout_is_an_env_error(batcher, tiny_tokenizer, templater):
 
 def test_env_server_invalid_json_is_an_env_error(batcher, tiny_tokenizer, templater):
     app = invalid_json_app()
-    with running_app(app) as url:
+    with running_app_servers([app]) as (url,):
         trajectory = run_loop(batcher, tiny_tokenizer, templater, url, interaction_config={"retries": 0})
     assert trajectory.stop_reason == "env_error"
     assert len(app.state.finalized) == 1  # no instance left behind
