@@ -72,6 +72,21 @@ def extract_answer(response: str) -> str | None:
     return match.group(0) if match else None
 
 
+_INTEGER = re.compile(r"\s*[-+]?\d{1,30}\s*")
+
+
+def row_problem(row: dict) -> str | None:
+    """Why ``score_answer`` cannot score a dataset row of this task, or None: the row needs
+    ``reward_model.ground_truth``, an integer (or its text)."""
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        return "needs 'reward_model': {'ground_truth': <the integer answer>} (the arithmetic task scores by it)"
+    truth = reward_model["ground_truth"]
+    if isinstance(truth, bool) or not (isinstance(truth, int) or isinstance(truth, str) and _INTEGER.fullmatch(truth)):
+        return f"'reward_model.ground_truth' must be an integer or its text, got {type(truth).__name__}"
+    return None
+
+
 def score_answer(response: str, ground_truth: str) -> float:
     """1.0 when the first integer of the response equals the ground truth, else 0.0."""
     answer = extract_answer(response)

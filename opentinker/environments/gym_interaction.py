@@ -1,24 +1,35 @@
 """``GymEnvironmentInteraction``: an interaction whose turns come from an environment server.
 
 The server speaks a small gym-like HTTP protocol (field names are fixed; existing
-servers speak them)::
+servers speak them, and ignore the fields they do not know)::
 
     POST {url}/reset     {"instance_id", "job_id"?, "seed"?, **env_kwargs, **kwargs}
                          -> {"observation": str, "system_prompt"?: str, "info"?: dict}
-    POST {url}/step      {"instance_id", "action": str}
+    POST {url}/step      {"instance_id", "action": str, "step": int, "job_id"?}
                          -> {"observation": str, "reward": float, "done": bool, "info"?: dict}
-    POST {url}/finalize  {"instance_id"}
+    POST {url}/finalize  {"instance_id", "job_id"?}
     GET  {url}/health
 
-``url`` is one base URL, or one of several shards; an instance always goes to the same
-shard (a stable hash of its id). Every failure surfaces as
-:class:`~opentinker.environments.interaction.EnvironmentServerError`.
+``url`` is a base URL ``scheme://host[:port]`` (no path: the protocol's paths are fixed),
+or one of several shards; an instance always goes to the same shard (a stable hash of its
+id). ``step`` is the number of steps already applied to the instance (0 for the first).
+Every failure surfaces as :class:`~opentinker.environments.interaction.EnvironmentServerError`.
+
+The config comes from a job's client, so it is bounded and checked; what the operator
+decides (the job id, which endpoints may be reached, how many shards) comes from the
+:class:`~opentinker.environments.interaction.InteractionContext` given to :meth:`create`.
 
 Retries: connection errors, timeouts and 5xx answers are retried ``retries`` times with
-exponential backoff; 4xx answers and malformed bodies are not. A retried ``/step`` may be
-applied twice by a server that processed it but whose answer was lost; the protocol has
-no step index to deduplicate on, so keep ``retries`` at 0 for environments where that
-matters.
+exponential backoff; 4xx answers, redirects (never followed) and malformed bodies are
+not. A retried ``/step`` carries the same ``step`` index, so a server built with
+:func:`~opentinker.environments.server.serve_environment` answers a retry whose first
+answer was lost with that stored answer instead of stepping twice. A server that ignores
+the index may still apply a retried step twice; keep ``retries`` at 0 for those where
+that matters.
+
+Error messages quote an answer's text only when it has the protocol's error shape
+``{"error": "<text>", ...}`` (truncated); otherwise they give its status, content type and
+size, so an endpoint pointed at some other service cannot be read through job events.
 """
 
 from __future__ import annotations
@@ -26,16 +37,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
+import string
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from opentinker.environments.endpoints import EndpointPolicy, normalise_endpoint
 from opentinker.environments.interaction import (
+    MAX_STEPS_REACHED,
+    TRUNCATED,
     EnvironmentServerError,
     InitialObservation,
     Interaction,
+    InteractionContext,
     last_assistant_content,
 )
 
@@ -43,55 +60,64 @@ __all__ = ["GymEnvironmentInteraction", "check_endpoint", "shard_urls"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_BODY_IN_ERROR = 300
+_MAX_ERROR_CHARS = 300  # of an env's {"error": ...} text quoted in an EnvironmentServerError
+_TEMPLATE_FIELDS = ("observation", "reward", "step")
+_MAX_TEMPLATE_CHARS = 2000
+_MAX_TEMPLATE_NUMBER = 100  # widths/precisions in format specs: "{observation:>1000000000}" is a memory bomb
+_MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
 
 
 def _join(base: str, path: str) -> str:
     return base.rstrip("/") + "/" + path.lstrip("/")
 
 
-def _validate_base_url(url: Any, key: str) -> str:
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"{key} must be a non-empty URL string, got {url!r}")
-    url = url.strip().rstrip("/")
-    try:
-        parsed = httpx.URL(url)
-    except Exception as exc:  # httpx.InvalidURL and friends
-        raise ValueError(f"{key}: invalid URL {url!r}: {exc}") from exc
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"{key} must be an http(s) URL with a host, got {url!r}")
-    return url
+def _check_shard_count(count: int, max_shards: int | None) -> None:
+    if max_shards is not None and count > max_shards:
+        raise ValueError(f"env_shards: at most {max_shards} env servers per interaction on this server, got {count}")
 
 
-def shard_urls(env_endpoint: str | None, env_shards: Any = None) -> list[str]:
-    """The base URLs of all shards.
+def shard_urls(
+    env_endpoint: str | None,
+    env_shards: Any = None,
+    *,
+    max_shards: int | None = None,
+    policy: EndpointPolicy | None = None,
+) -> list[str]:
+    """The normalised base URLs (``scheme://host:port``) of all shards.
 
     ``env_shards`` is None (one server at ``env_endpoint``), a list of base URLs, or an
-    int N: N servers on consecutive ports starting at ``env_endpoint``'s port (same
-    scheme, host and path).
+    int N: N servers on consecutive ports starting at ``env_endpoint``'s port (same scheme
+    and host). ``max_shards`` bounds the number of shards; with ``policy`` every URL must
+    pass ``policy.check`` (the error names the field: ``env_endpoint``, ``env_shards[2]``).
+    Raises ValueError (:class:`~opentinker.environments.endpoints.EndpointError` for a bad URL).
     """
+    check = policy.check if policy is not None else normalise_endpoint
     if env_shards is None:
         if env_endpoint is None:
             raise ValueError("env_endpoint is required (the environment server's base URL)")
-        return [_validate_base_url(env_endpoint, "env_endpoint")]
+        return [check(env_endpoint, "env_endpoint")]
     if isinstance(env_shards, (list, tuple)):
         if not env_shards:
             raise ValueError("env_shards must not be an empty list")
-        urls = [_validate_base_url(u, f"env_shards[{i}]") for i, u in enumerate(env_shards)]
+        _check_shard_count(len(env_shards), max_shards)
+        urls = [check(u, f"env_shards[{i}]") for i, u in enumerate(env_shards)]
         if len(set(urls)) != len(urls):
             raise ValueError(f"env_shards has duplicate URLs: {urls}")
         return urls
     if isinstance(env_shards, int) and not isinstance(env_shards, bool):
         if env_shards < 1:
             raise ValueError(f"env_shards must be >= 1, got {env_shards}")
+        _check_shard_count(env_shards, max_shards)
         if env_endpoint is None:
             raise ValueError("env_shards as a count needs env_endpoint (the first shard's URL)")
-        base = _validate_base_url(env_endpoint, "env_endpoint")
-        parsed = httpx.URL(base)
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        if port + env_shards - 1 > 65535:
-            raise ValueError(f"env_shards={env_shards} from port {port} runs past port 65535")
-        return [str(parsed.copy_with(port=port + i)).rstrip("/") for i in range(env_shards)]
+        prefix, port = normalise_endpoint(env_endpoint, "env_endpoint").rsplit(":", 1)  # the port is explicit
+        first = int(port)
+        if first + env_shards - 1 > 65535:
+            raise ValueError(f"env_shards={env_shards} from port {first} runs past port 65535")
+        return [
+            check(f"{prefix}:{first + i}", "env_endpoint" if i == 0 else f"env_shards[{i}]")
+            for i in range(env_shards)
+        ]
     raise ValueError(f"env_shards must be a list of URLs or an int, got {type(env_shards).__name__}")
 
 
@@ -99,7 +125,7 @@ async def check_endpoint(url: str, timeout_s: float = 5.0) -> None:
     """GET ``{url}/health``; raise :class:`EnvironmentServerError` naming the URL unless it answers 2xx."""
     health = _join(url, "health")
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, follow_redirects=False) as client:
             response = await client.get(health)
     except httpx.HTTPError as exc:
         raise EnvironmentServerError(
@@ -110,10 +136,88 @@ async def check_endpoint(url: str, timeout_s: float = 5.0) -> None:
         raise EnvironmentServerError(health, f"health check answered HTTP {response.status_code}")
 
 
+def _bounded(config: dict[str, Any], key: str, default: float, low: float, high: float, *,
+             integer: bool, above_low: bool = False) -> Any:
+    """``config[key]`` (``default`` when missing or null) checked to lie within [low, high]."""
+    value = config.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {type(value).__name__}")
+    if integer:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{key} must be a whole number, got {value!r}")
+        value = int(value)
+    else:
+        value = float(value)
+    in_range = (value > low if above_low else value >= low) and value <= high  # False for NaN
+    if not in_range:
+        raise ValueError(f"{key} must be {'>' if above_low else '>='} {low:g} and <= {high:g}, got {value!r}")
+    return value
+
+
+def _checked_template(template: Any) -> str:
+    """An observation template that may use only {observation}, {reward} and {step}.
+
+    Checked by parsing, not by trial formatting alone: ``"{observation.__class__}"`` or
+    ``"{step[0]}"`` would reach into Python objects.
+    """
+    if not isinstance(template, str):
+        raise ValueError(f"observation_template must be a string, got {type(template).__name__}")
+    if len(template) > _MAX_TEMPLATE_CHARS:
+        raise ValueError(f"observation_template: at most {_MAX_TEMPLATE_CHARS} characters, got {len(template)}")
+    allowed = "{observation}, {reward} and {step}"
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"observation_template {template!r} is invalid ({exc}); it may use {allowed}") from exc
+    for _, field, spec, _ in parts:
+        if field is None:
+            continue
+        if field not in _TEMPLATE_FIELDS:
+            raise ValueError(
+                f"observation_template may use only the plain fields {allowed} (no attribute access, "
+                f"indexing or positional fields), got {{{field}}}"
+            )
+        if "{" in spec or "}" in spec:
+            raise ValueError(f"observation_template: nested fields in a format spec are not allowed, got {spec!r}")
+        if any(int(number) > _MAX_TEMPLATE_NUMBER for number in re.findall(r"\d+", spec)):
+            raise ValueError(
+                f"observation_template: widths and precisions are at most {_MAX_TEMPLATE_NUMBER}, got {spec!r}"
+            )
+    try:
+        template.format(observation="", reward=0.0, step=0)
+    except (ValueError, TypeError) as exc:  # a spec that does not fit its value, e.g. {observation:d}
+        raise ValueError(f"observation_template {template!r} is invalid ({exc}); it may use {allowed}") from exc
+    return template
+
+
+def _reply_shape(response: httpx.Response) -> str:
+    """Content type and size of an answer: what an error may say about a body it does not quote."""
+    media_type = response.headers.get("content-type", "").split(";")[0].strip()
+    shown = media_type if _MEDIA_TYPE.fullmatch(media_type) else "unknown content type"
+    return f"{shown}, {len(response.content)} bytes"
+
+
+def _reply_problem(response: httpx.Response) -> str:
+    """``HTTP <status>`` plus the env protocol's ``{"error": ...}`` text, or else only the answer's shape."""
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), str):
+        message = data["error"]
+        if len(message) > _MAX_ERROR_CHARS:
+            message = message[:_MAX_ERROR_CHARS] + "..."
+        return f"HTTP {response.status_code}: {message}"
+    return f"HTTP {response.status_code} ({_reply_shape(response)})"
+
+
 @dataclass
 class _Instance:
     url: str
     observation: InitialObservation
+    job_id: str | None = None
     steps: int = 0
     done: bool = False
 
@@ -125,54 +229,60 @@ class _Retryable(Exception):
 class GymEnvironmentInteraction(Interaction):
     """HTTP client of an environment server (see the module docstring for the protocol).
 
-    Config keys:
-        env_endpoint: base URL of the server, e.g. ``"http://127.0.0.1:8000"``.
+    Config keys (sent by a job's client, so each is bounded):
+        env_endpoint: base URL of the server, e.g. ``"http://127.0.0.1:8000"`` (no path).
         env_shards: optional list of base URLs, or an int N (N consecutive ports from
-            env_endpoint's port).
-        max_steps: steps after which the episode ends (done=True, info["truncated"]); 20.
+            env_endpoint's port); at most the context's ``max_env_shards``.
+        max_steps: steps after which the episode ends (done=True, info["truncated"] and
+            info["max_steps_reached"]); 20, in [1, 1000].
         observation_template: how an observation becomes the next user turn;
-            ``"{observation}"``; may use ``{observation}``, ``{reward}``, ``{step}``.
-        timeout_s: per-request timeout, 30.
-        retries: retries of connection errors / timeouts / 5xx, 2.
-        backoff_s: first retry delay (doubles each retry), 0.2.
+            ``"{observation}"``; may use only the plain fields ``{observation}``,
+            ``{reward}``, ``{step}`` (format specs such as ``{reward:.2f}`` are fine).
+        timeout_s: per-request timeout, 30, in (0, 300].
+        retries: retries of connection errors / timeouts / 5xx, 2, in [0, 10].
+        backoff_s: first retry delay (doubles each retry), 0.2, in [0, 30].
         env_kwargs: dict merged into every /reset body.
-        job_id: sent in /reset unless the interaction kwargs give one.
-        max_connections: connection pool size, 256.
-        trust_env: honour proxy environment variables, False (env servers are local).
+        job_id: sent to the server unless the row's interaction kwargs give one; the
+            context's job id, when it has one, replaces both.
+        max_connections: connection pool size, 256, in [1, 1024].
+
+    Requests never read proxy settings from the environment and never follow redirects.
     """
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], context: InteractionContext | None = None):
         super().__init__(config)
+        context = context or InteractionContext()
         cfg = self.config
-        self.shards: list[str] = shard_urls(cfg.get("env_endpoint"), cfg.get("env_shards"))
-        self.max_steps = int(cfg.get("max_steps", 20))
-        if self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        self.observation_template = str(cfg.get("observation_template", "{observation}"))
-        try:
-            self.observation_template.format(observation="", reward=0.0, step=0)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
-                f"observation_template {self.observation_template!r} is invalid ({exc!r}); "
-                "it may use {observation}, {reward} and {step}"
-            ) from exc
-        self.timeout_s = float(cfg.get("timeout_s", 30.0))
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        self.retries = int(cfg.get("retries", 2))
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
-        self.backoff_s = float(cfg.get("backoff_s", 0.2))
+        self.shards: list[str] = shard_urls(
+            cfg.get("env_endpoint"), cfg.get("env_shards"),
+            max_shards=context.max_env_shards, policy=context.endpoint_policy,
+        )
+        self.max_steps: int = _bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
+        self.observation_template = _checked_template(cfg.get("observation_template", "{observation}"))
+        self.timeout_s: float = _bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
+        self.retries: int = _bounded(cfg, "retries", 2, 0, 10, integer=True)
+        self.backoff_s: float = _bounded(cfg, "backoff_s", 0.2, 0, 30, integer=False)
+        self.max_connections: int = _bounded(cfg, "max_connections", 256, 1, 1024, integer=True)
         env_kwargs = cfg.get("env_kwargs") or {}
         if not isinstance(env_kwargs, dict):
             raise ValueError(f"env_kwargs must be a dict, got {type(env_kwargs).__name__}")
         self.env_kwargs: dict[str, Any] = dict(env_kwargs)
-        self.job_id: str | None = cfg.get("job_id")
-        self.max_connections = int(cfg.get("max_connections", 256))
-        self.trust_env = bool(cfg.get("trust_env", False))
+        if cfg.get("trust_env"):
+            raise ValueError("trust_env is not supported: env requests never use proxy settings from the environment")
+        # The context's job id is the operator's word; a client-sent one is only a default.
+        self._job_id_fixed = context.job_id is not None
+        self.job_id: str | None = context.job_id if self._job_id_fixed else _job_id(cfg.get("job_id"), "job_id")
         self._instances: dict[str, _Instance] = {}
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def create(
+        cls, config: dict[str, Any] | None, context: InteractionContext | None = None
+    ) -> GymEnvironmentInteraction:
+        """The interaction with ``context`` applied: endpoints checked against its policy,
+        at most ``context.max_env_shards`` shards, and its job id on every request."""
+        return cls(dict(config or {}), context)
 
     # HTTP plumbing ---------------------------------------------------------------------
 
@@ -190,7 +300,9 @@ class GymEnvironmentInteraction(Interaction):
                     max_connections=self.max_connections,
                     max_keepalive_connections=min(64, self.max_connections),
                 ),
-                trust_env=self.trust_env,
+                # A redirect could send a request to a host the endpoint policy never checked.
+                follow_redirects=False,
+                trust_env=False,
             )
             self._client_loop = loop
         return self._client
@@ -223,17 +335,15 @@ class GymEnvironmentInteraction(Interaction):
         except httpx.HTTPError as exc:  # e.g. a body that cannot be decoded
             raise EnvironmentServerError(url, f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:_MAX_BODY_IN_ERROR]}")
+            raise _Retryable(_reply_problem(response))
+        if 300 <= response.status_code < 400:
+            raise EnvironmentServerError(url, f"HTTP {response.status_code}: redirects are not followed")
         if response.status_code >= 400:
-            raise EnvironmentServerError(
-                url, f"HTTP {response.status_code}: {response.text[:_MAX_BODY_IN_ERROR]}"
-            )
+            raise EnvironmentServerError(url, _reply_problem(response))
         try:
             return response.json()
         except ValueError as exc:
-            raise EnvironmentServerError(
-                url, f"invalid JSON in answer: {response.text[:_MAX_BODY_IN_ERROR]!r}"
-            ) from exc
+            raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(response)})") from exc
 
     async def _post(self, base: str, path: str, body: dict[str, Any], retries: int | None = None) -> Any:
         url = _join(base, path)
@@ -257,11 +367,12 @@ class GymEnvironmentInteraction(Interaction):
         instance_id = await super().start_interaction(instance_id)
         base = self.shard_for(instance_id)
         body: dict[str, Any] = {**self.env_kwargs, **kwargs}
-        for optional in ("job_id", "seed"):  # left out rather than sent as null
-            if optional in body and body[optional] is None:
-                del body[optional]
-        if "job_id" not in body and self.job_id is not None:
-            body["job_id"] = self.job_id
+        row_job_id = body.pop("job_id", None)
+        job_id = self.job_id if self._job_id_fixed or row_job_id is None else _job_id(row_job_id, "job_id")
+        if body.get("seed") is None:  # left out rather than sent as null
+            body.pop("seed", None)
+        if job_id is not None:
+            body["job_id"] = job_id
         body["instance_id"] = instance_id
         try:
             data = await self._post(base, "reset", body)
@@ -269,7 +380,7 @@ class GymEnvironmentInteraction(Interaction):
         except BaseException:
             self._rewards.pop(instance_id, None)
             raise
-        self._instances[instance_id] = _Instance(url=base, observation=observation)
+        self._instances[instance_id] = _Instance(url=base, observation=observation, job_id=job_id)
         return instance_id
 
     @staticmethod
@@ -304,16 +415,22 @@ class GymEnvironmentInteraction(Interaction):
         if state.done:
             return True, "", 0.0, {"step": state.steps, "already_done": True}
         action = last_assistant_content(messages)
-        data = await self._post(state.url, "step", {"instance_id": instance_id, "action": action})
+        # The step index lets the server answer a retry of an applied step without stepping again.
+        body: dict[str, Any] = {"instance_id": instance_id, "action": action, "step": state.steps}
+        if state.job_id is not None:
+            body["job_id"] = state.job_id
+        data = await self._post(state.url, "step", body)
         url = _join(state.url, "step")
         observation, reward, done, info = self._parse_step(url, data)
         state.steps += 1
         self._record_reward(instance_id, reward)  # calculate_score: the sum of the step rewards
         info = dict(info)
+        info.pop(MAX_STEPS_REACHED, None)  # only this interaction's own budget may say so
         info.setdefault("step", state.steps)
         if not done and state.steps >= self.max_steps:
             done = True
-            info["truncated"] = True
+            info[TRUNCATED] = True
+            info[MAX_STEPS_REACHED] = True
         state.done = done
         text = self.observation_template.format(observation=observation, reward=reward, step=state.steps)
         return done, text, reward, info
@@ -343,8 +460,12 @@ class GymEnvironmentInteraction(Interaction):
         state = self._instances.pop(instance_id, None)
         await super().finalize_interaction(instance_id)
         base = state.url if state is not None else self.shard_for(instance_id)
+        body: dict[str, Any] = {"instance_id": instance_id}
+        job_id = state.job_id if state is not None else self.job_id
+        if job_id is not None:
+            body["job_id"] = job_id
         try:
-            await self._post(base, "finalize", {"instance_id": instance_id}, retries=0)
+            await self._post(base, "finalize", body, retries=0)
         except EnvironmentServerError as exc:
             level = logging.DEBUG if state is None else logging.WARNING
             logger.log(level, "finalize of instance %s failed: %s", instance_id, exc)
@@ -358,6 +479,12 @@ class GymEnvironmentInteraction(Interaction):
     @property
     def active_instances(self) -> int:
         return len(self._instances)
+
+
+def _job_id(value: Any, key: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"{key} must be a string, got {type(value).__name__}")
 
 
 def _observation_of(url: str, data: Any) -> str:

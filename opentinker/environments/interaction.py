@@ -6,6 +6,10 @@ one with little change. One method is added: :meth:`Interaction.initial_observat
 for environments that need no dataset (a game, a simulator) and produce the first user
 message themselves when an instance is reset.
 
+Interactions are built with :meth:`Interaction.create`, which also receives an
+:class:`InteractionContext`: the operator-side settings (the job id, which env endpoints
+may be reached) that a job's client-sent config must never choose.
+
 Pure Python: nothing here imports torch, transformers or ray.
 """
 
@@ -16,7 +20,24 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EnvironmentServerError", "InitialObservation", "Interaction", "last_assistant_content"]
+from opentinker.environments.endpoints import EndpointPolicy
+
+__all__ = [
+    "MAX_STEPS_REACHED",
+    "TRUNCATED",
+    "EnvironmentServerError",
+    "InitialObservation",
+    "Interaction",
+    "InteractionContext",
+    "last_assistant_content",
+]
+
+#: ``info`` key of a ``generate_response`` answer with ``done``: the episode was cut short
+#: (by the environment itself, or by the interaction's own step budget) rather than finished.
+TRUNCATED = "truncated"
+#: ``info`` key set (True) only by the interaction when its own step budget (``max_steps``)
+#: ended the episode; the agent loop reports that as stop reason ``max_env_steps``.
+MAX_STEPS_REACHED = "max_steps_reached"
 
 
 class EnvironmentServerError(RuntimeError):
@@ -34,6 +55,22 @@ class EnvironmentServerError(RuntimeError):
 
     def __reduce__(self):  # keep (url, cause) across pickling (e.g. to another process)
         return (type(self), (self.url, self.cause))
+
+
+@dataclass(frozen=True)
+class InteractionContext:
+    """Operator-side settings of the interactions of one job; never taken from a job's config.
+
+    ``job_id``: sent to env servers with every request; wins over any ``job_id`` in the
+    interaction config or a row's interaction kwargs. ``endpoint_policy``: None means no
+    policy (trusted in-process use: ``opentinker-train``, tests); a policy means every env
+    endpoint must pass ``policy.check(url, field)``. ``max_env_shards``: the most env
+    servers (``env_shards``) one interaction may name.
+    """
+
+    job_id: str | None = None
+    endpoint_policy: EndpointPolicy | None = None
+    max_env_shards: int = 64
 
 
 @dataclass(frozen=True)
@@ -62,13 +99,16 @@ class Interaction(ABC):
 
     Life cycle of one trajectory::
 
-        iid = await env.start_interaction(None, **interaction_kwargs)
+        iid = await env.start_interaction(str(uuid.uuid4()), **interaction_kwargs)
         first = await env.initial_observation(iid)       # data-free envs only
         while not done:
             ... model writes an assistant turn ...
             done, text, reward, info = await env.generate_response(iid, messages)
         score = await env.calculate_score(iid)
-        await env.finalize_interaction(iid)
+        await env.finalize_interaction(iid)   # always, also when start_interaction failed
+
+    The caller picks the instance id, so an instance whose start failed half-way (a /reset
+    whose answer was lost) can still be finalized.
     """
 
     def __init__(self, config: dict[str, Any] | None = None):
@@ -76,6 +116,13 @@ class Interaction(ABC):
         self.name: str = str(self.config.get("name", type(self).__name__))
         # Rewards returned by generate_response, per instance (for the default calculate_score).
         self._rewards: dict[str, list[float]] = {}
+
+    @classmethod
+    def create(cls, config: dict[str, Any] | None, context: InteractionContext | None = None) -> Interaction:
+        """Build an instance for a job (what :class:`~opentinker.environments.registry.InteractionRegistry`
+        calls). The default ignores ``context``; interactions that reach servers or carry a job
+        id override it to apply the context."""
+        return cls(config)
 
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Create an instance and return its id (a fresh uuid4 when ``instance_id`` is None).
@@ -87,6 +134,13 @@ class Interaction(ABC):
             instance_id = str(uuid.uuid4())
         self._rewards.setdefault(instance_id, [])
         return instance_id
+
+    @classmethod
+    def row_problem(cls, kwargs: dict[str, Any]) -> str | None:
+        """What makes a dataset row's ``interaction_kwargs`` (``name`` removed) unusable for
+        this interaction, or None. The server asks before it accepts rows, so a row that
+        would fail inside a running job is refused up front; the default accepts all."""
+        return None
 
     async def initial_observation(self, instance_id: str) -> InitialObservation | None:
         """The first user message of a data-free environment; None when the prompt comes from data."""
@@ -101,6 +155,10 @@ class Interaction(ABC):
         Returns ``(done, response_text, reward, info)``; ``response_text`` becomes the
         next user turn when ``done`` is False. Subclasses that use the default
         :meth:`calculate_score` record each reward with :meth:`_record_reward`.
+
+        With ``done``, ``info[TRUNCATED] is True`` says the episode was cut short rather than
+        finished, and ``info[MAX_STEPS_REACHED] is True`` that the interaction's own step
+        budget cut it (the agent loop's stop reasons ``env_truncated`` / ``max_env_steps``).
         """
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
-from opentinker.environments.interaction import Interaction
+from opentinker.environments.interaction import Interaction, InteractionContext
 from opentinker.environments.text_interactions import Gsm8kInteraction, SimpleTextEnvironment
 
 __all__ = [
@@ -154,11 +154,17 @@ class InteractionRegistry:
         self._classes[path] = obj
         return obj
 
-    def build(self, specs: Iterable[InteractionSpec | Mapping[str, Any]]) -> dict[str, Interaction]:
+    def build(
+        self,
+        specs: Iterable[InteractionSpec | Mapping[str, Any]],
+        context: InteractionContext | None = None,
+    ) -> dict[str, Interaction]:
         """Instantiate every spec, keyed by its name.
 
         All specs are validated and resolved before any is instantiated; duplicate names
-        raise ValueError. Each instance gets ``{**spec.config, "name": spec.name}``.
+        raise ValueError. Each instance is made by ``cls.create({**spec.config, "name":
+        spec.name}, context)``: ``context`` carries what the operator, not the job, decides
+        (job id, allowed env endpoints); None means trusted in-process use.
         """
         parsed = [s if isinstance(s, InteractionSpec) else InteractionSpec.model_validate(s) for s in specs]
         counts = Counter(spec.name for spec in parsed)
@@ -166,7 +172,9 @@ class InteractionRegistry:
         if duplicates:
             raise ValueError(f"duplicate interaction names: {duplicates}")
         classes = [self.resolve(spec.class_path) for spec in parsed]
-        return {spec.name: cls({**spec.config, "name": spec.name}) for spec, cls in zip(parsed, classes)}
+        return {
+            spec.name: cls.create({**spec.config, "name": spec.name}, context) for spec, cls in zip(parsed, classes)
+        }
 
     def copy(self) -> InteractionRegistry:
         other = InteractionRegistry()

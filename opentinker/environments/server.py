@@ -13,12 +13,23 @@ Protocol (the field names are fixed; the trainer's agent loop speaks them):
 
 ``POST /reset``    ``{"instance_id", "job_id"?, "seed"?, ...extra}``
                    -> ``{"observation": str, "system_prompt": str | null, "info": {}}``
-``POST /step``     ``{"instance_id", "action"}``
+``POST /step``     ``{"instance_id", "action", "step"?, "job_id"?}``
                    -> ``{"observation": str, "reward": float, "done": bool, "info": {}}``
-``POST /finalize`` ``{"instance_id"}`` -> ``{"ok": true}``
-``GET  /health``   -> ``{"status": "ok", "instances": int, "env": str}``
+``POST /finalize`` ``{"instance_id", "job_id"?}`` -> ``{"ok": true}``
+``GET  /health``   -> ``{"status": "ok", "instances": int, "env": str, "jobs": {job_id: {...}}}``
 
 Decisions worth knowing:
+
+* ``step`` is the index of the step a ``/step`` request means: the number of steps already
+  applied to the instance (0 for the first). With ``step`` equal to that count the step is
+  applied; with ``step`` one less, the stored answer of the last step is returned again
+  *without* calling ``env.step`` (a retry whose answer was lost), so retries never apply a
+  step twice; any other index is a 409 naming the expected and the given index. A request
+  without ``step`` is applied as it comes.
+* ``job_id`` is stored per instance (from ``/reset``); a ``/step`` whose ``job_id`` differs
+  from its instance's is a 409. ``app.state.stats`` and ``/health`` count resets, steps,
+  replayed steps, finalized and expired instances and user errors per job id; requests
+  without one count under ``"default"``.
 
 * ``/reset`` builds a *new* ``EnvClass(**env_kwargs)`` per instance id and calls
   ``reset(seed=..., **extra)``; ``seed`` is passed only when the request has one and
@@ -27,7 +38,8 @@ Decisions worth knowing:
 * ``reset`` may return a string, a dict ``{"observation", "system_prompt"?, "info"?}`` or a
   gymnasium-style ``(observation, info)`` pair. ``step`` may return the 4-tuple
   ``(observation, reward, done, info)`` or gymnasium's 5-tuple
-  ``(observation, reward, terminated, truncated, info)``.
+  ``(observation, reward, terminated, truncated, info)``; an episode that is truncated but
+  not terminated answers ``done: true`` with ``info["truncated"] = true``.
 * Every error body is ``{"error": "<message>"}`` plus ``"instance_id"`` when one is
   involved: 404 for an unknown instance on ``/step``, 409 for a ``/step`` after the episode
   reported ``done`` (reset or finalize it instead), 422 for a malformed request (the
@@ -54,8 +66,9 @@ import math
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import uvicorn
@@ -63,16 +76,21 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_IDLE_TIMEOUT_S = 600.0
+DEFAULT_JOB = "default"  # the statistics key of requests that carry no job_id
+_MAX_JOB_ID_CHARS = 256
 
 __all__ = [
-    "EnvServerError",
+    "DEFAULT_JOB",
     "EnvInstance",
+    "EnvJobStats",
+    "EnvServerError",
+    "EnvServerStats",
     "create_env_app",
     "running_app_servers",
     "running_env_server",
@@ -89,17 +107,20 @@ class ResetRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     instance_id: str
-    job_id: str | None = None
+    job_id: str | None = Field(default=None, max_length=_MAX_JOB_ID_CHARS)
     seed: int | None = None
 
 
 class StepRequest(BaseModel):
     instance_id: str
     action: str
+    step: int | None = Field(default=None, ge=0, description="steps already applied to the instance")
+    job_id: str | None = Field(default=None, max_length=_MAX_JOB_ID_CHARS)
 
 
 class FinalizeRequest(BaseModel):
     instance_id: str
+    job_id: str | None = Field(default=None, max_length=_MAX_JOB_ID_CHARS)
 
 
 # --------------------------------------------------------------------------- state
@@ -126,6 +147,7 @@ class EnvInstance:
     last_used: float = field(default_factory=time.monotonic)
     steps: int = 0
     done: bool = False
+    last_reply: dict | None = None  # the answer of the last applied step, for a retried /step
     busy: int = 0  # requests currently holding or waiting for the lock
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -134,12 +156,28 @@ class EnvInstance:
 
 
 @dataclass
-class EnvServerStats:
+class EnvJobStats:
+    """Request counters; ``replayed_steps`` are retried /step requests answered from memory."""
+
     resets: int = 0
     steps: int = 0
+    replayed_steps: int = 0
     finalized: int = 0
     expired: int = 0
     user_errors: int = 0
+
+
+@dataclass
+class EnvServerStats(EnvJobStats):
+    """Totals over all jobs, and ``by_job``: the same counters per job id (``DEFAULT_JOB``
+    for requests without one)."""
+
+    by_job: dict[str, EnvJobStats] = field(default_factory=dict)
+
+    def count(self, job_id: str | None, counter: str) -> None:
+        job = self.by_job.setdefault(job_id if job_id is not None else DEFAULT_JOB, EnvJobStats())
+        for counts in (self, job):
+            setattr(counts, counter, getattr(counts, counter) + 1)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -194,11 +232,13 @@ def _normalize_reset(result: Any) -> dict:
 
 def _normalize_step(result: Any) -> dict:
     """A step return value (4- or gymnasium 5-tuple) as the protocol's step response."""
+    cut_short = False
     if isinstance(result, (tuple, list)) and len(result) == 4:
         observation, reward, done, info = result
     elif isinstance(result, (tuple, list)) and len(result) == 5:
         observation, reward, terminated, truncated, info = result
         done = bool(terminated) or bool(truncated)
+        cut_short = bool(truncated) and not bool(terminated)  # `done` alone would lose this
     else:
         raise TypeError(
             "step() must return (observation, reward, done, info) or "
@@ -209,7 +249,10 @@ def _normalize_step(result: Any) -> dict:
     reward = float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"step() reward must be finite, got {reward}")
-    return {"observation": observation, "reward": reward, "done": bool(done), "info": _json_info(info, "step()")}
+    info = _json_info(info, "step()")
+    if cut_short:
+        info["truncated"] = True
+    return {"observation": observation, "reward": reward, "done": bool(done), "info": info}
 
 
 def _close_env(env: Any, instance_id: str) -> None:
@@ -236,7 +279,8 @@ def create_env_app(
 
     ``idle_timeout_s`` of None or <= 0 disables idle expiry. ``sweep_interval_s`` defaults to
     a tenth of the timeout (at most 30 s). State is inspectable: ``app.state.instances``
-    (instance id -> :class:`EnvInstance`), ``app.state.stats`` (:class:`EnvServerStats`).
+    (instance id -> :class:`EnvInstance`), ``app.state.stats`` (:class:`EnvServerStats`, with
+    a per-job breakdown).
     """
     env_kwargs = dict(env_kwargs or {})
     expire = idle_timeout_s is not None and idle_timeout_s > 0
@@ -262,7 +306,7 @@ def create_env_app(
         for inst in stale:
             if instances.get(inst.instance_id) is inst:
                 del instances[inst.instance_id]
-                stats.expired += 1
+                stats.count(inst.job_id, "expired")
                 logger.info("instance %r idle for %.1fs: closed", inst.instance_id, now - inst.last_used)
         for inst in stale:
             await close_instance(inst)
@@ -329,12 +373,12 @@ def create_env_app(
         try:
             env, response = await run_in_threadpool(make_and_reset, extra)
         except Exception as exc:
-            stats.user_errors += 1
+            stats.count(req.job_id, "user_errors")
             logger.warning("reset of %r failed: %s", req.instance_id, _describe(exc))
             raise EnvServerError(500, _describe(exc), req.instance_id) from exc
         old = instances.get(req.instance_id)
         instances[req.instance_id] = EnvInstance(req.instance_id, env, job_id=req.job_id)
-        stats.resets += 1
+        stats.count(req.job_id, "resets")
         if old is not None:
             await close_instance(old)
         return response
@@ -350,6 +394,20 @@ def create_env_app(
             async with inst.lock:
                 if instances.get(req.instance_id) is not inst:  # finalized/replaced while we waited
                     raise EnvServerError(404, f"unknown instance_id {req.instance_id!r}", req.instance_id)
+                if req.job_id is not None and req.job_id != inst.job_id:
+                    raise EnvServerError(
+                        409, f"instance {req.instance_id!r} belongs to another job than {req.job_id!r}", req.instance_id
+                    )
+                if req.step is not None and req.step != inst.steps:
+                    if req.step == inst.steps - 1 and inst.last_reply is not None:
+                        stats.count(inst.job_id, "replayed_steps")  # a retry whose answer was lost
+                        return inst.last_reply
+                    raise EnvServerError(
+                        409,
+                        f"step index mismatch for instance {req.instance_id!r}: expected step {inst.steps}, "
+                        f"got {req.step}",
+                        req.instance_id,
+                    )
                 if inst.done:
                     raise EnvServerError(
                         409,
@@ -359,12 +417,13 @@ def create_env_app(
                 try:
                     response = _normalize_step(await run_in_threadpool(lambda: inst.env.step(req.action)))
                 except Exception as exc:
-                    stats.user_errors += 1
+                    stats.count(inst.job_id, "user_errors")
                     logger.warning("step of %r failed: %s", req.instance_id, _describe(exc))
                     raise EnvServerError(500, _describe(exc), req.instance_id) from exc
                 inst.steps += 1
                 inst.done = response["done"]
-                stats.steps += 1
+                inst.last_reply = response
+                stats.count(inst.job_id, "steps")
                 return response
         finally:
             inst.touch()
@@ -374,13 +433,15 @@ def create_env_app(
     async def finalize(req: FinalizeRequest) -> dict:
         inst = instances.pop(req.instance_id, None)
         if inst is not None:
-            stats.finalized += 1
+            stats.count(inst.job_id, "finalized")
             await close_instance(inst)
         return {"ok": True}
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "instances": len(instances), "env": env_class.__name__}
+        live = Counter(inst.job_id if inst.job_id is not None else DEFAULT_JOB for inst in instances.values())
+        jobs = {job: {"instances": live.get(job, 0), **asdict(counts)} for job, counts in stats.by_job.items()}
+        return {"status": "ok", "instances": len(instances), "env": env_class.__name__, "jobs": jobs}
 
     return app
 

@@ -44,6 +44,17 @@ class _GradedInteraction(Interaction):
         super().__init__(config)
         self._state: dict[str, _Attempts] = {}
 
+    @classmethod
+    def row_problem(cls, kwargs: dict[str, Any]) -> str | None:
+        """A row must carry the ground truth this interaction grades against (checked by the
+        server before it accepts the row, so a bad row never reaches a running job)."""
+        truth = kwargs.get("ground_truth")
+        if truth is None:
+            return "needs 'extra_info.interaction_kwargs.ground_truth'"
+        if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+            return f"'ground_truth' must be text or a number, got {type(truth).__name__}"
+        return None
+
     def _normalise_truth(self, truth: str) -> str:
         return truth
 

@@ -332,3 +332,107 @@ def test_server_and_games_import_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# Step indices, job ids, truncation ------------------------------------------------------
+
+
+def test_step_index_applies_replays_or_refuses(server):
+    app, client = server
+    iid = new_id()
+    client.post("/reset", json={"instance_id": iid, "label": iid})
+    first = client.post("/step", json={"instance_id": iid, "action": "a", "step": 0})
+    assert first.status_code == 200 and first.json()["observation"] == f"{iid}:a"
+    # the same index again: a retry whose answer was lost gets the stored answer; env.step is not called
+    replayed_before = app.state.stats.replayed_steps
+    again = client.post("/step", json={"instance_id": iid, "action": "a", "step": 0})
+    assert again.status_code == 200 and again.json() == first.json()
+    assert app.state.instances[iid].env.history == ["a"]
+    assert app.state.stats.replayed_steps == replayed_before + 1
+    assert client.post("/step", json={"instance_id": iid, "action": "b", "step": 1}).json()["observation"] == f"{iid}:a|b"
+    # anything else is a conflict naming what was expected and what came
+    for wrong in (0, 3):
+        response = client.post("/step", json={"instance_id": iid, "action": "c", "step": wrong})
+        assert response.status_code == 409
+        assert response.json() == {
+            "error": f"step index mismatch for instance {iid!r}: expected step 2, got {wrong}", "instance_id": iid,
+        }
+    assert app.state.instances[iid].env.history == ["a", "b"]
+    # without an index a step is applied as it comes, as before
+    assert client.post("/step", json={"instance_id": iid, "action": "c"}).json()["observation"] == f"{iid}:a|b|c"
+    response = client.post("/step", json={"instance_id": iid, "action": "d", "step": -1})
+    assert response.status_code == 422 and "step" in response.json()["error"]
+    client.post("/finalize", json={"instance_id": iid})
+
+
+def test_a_retried_last_step_of_a_finished_episode_gets_its_answer_again(server):
+    _, client = server
+    iid = new_id()
+    client.post("/reset", json={"instance_id": iid, "label": iid})
+    done = client.post("/step", json={"instance_id": iid, "action": "stop", "step": 0}).json()
+    assert done["done"] is True
+    assert client.post("/step", json={"instance_id": iid, "action": "stop", "step": 0}).json() == done
+    assert client.post("/step", json={"instance_id": iid, "action": "more", "step": 1}).status_code == 409
+    # a reset starts counting from 0 again
+    client.post("/reset", json={"instance_id": iid, "label": iid})
+    assert client.post("/step", json={"instance_id": iid, "action": "x", "step": 1}).status_code == 409
+    assert client.post("/step", json={"instance_id": iid, "action": "x", "step": 0}).status_code == 200
+    client.post("/finalize", json={"instance_id": iid})
+
+
+def test_statistics_are_kept_per_job():
+    app = create_env_app(RecordingEnv)
+    with running_app_servers([app]) as (url,):
+        with httpx.Client(base_url=url, timeout=10.0, trust_env=False) as client:
+            for job, iid in (("job-a", "a1"), ("job-a", "a2"), ("job-b", "b1"), (None, "n1")):
+                body = {"instance_id": iid, "label": iid, **({"job_id": job} if job else {})}
+                assert client.post("/reset", json=body).status_code == 200
+            client.post("/step", json={"instance_id": "a1", "action": "x", "step": 0, "job_id": "job-a"})
+            client.post("/step", json={"instance_id": "a1", "action": "x", "step": 0, "job_id": "job-a"})  # replay
+            client.post("/step", json={"instance_id": "b1", "action": "boom", "job_id": "job-b"})  # a user error
+            client.post("/step", json={"instance_id": "n1", "action": "x"})
+            # an instance answers only to the job that reset it
+            stolen = client.post("/step", json={"instance_id": "a2", "action": "x", "job_id": "job-b"})
+            assert stolen.status_code == 409 and "belongs to another job" in stolen.json()["error"]
+            client.post("/finalize", json={"instance_id": "a1", "job_id": "job-a"})
+            client.post("/reset", json={"instance_id": "bad", "fail": True, "job_id": "job-b"})
+            health = client.get("/health").json()
+    common = {"expired": 0}
+    assert health["instances"] == 3
+    assert health["jobs"] == {
+        "job-a": {"instances": 1, "resets": 2, "steps": 1, "replayed_steps": 1, "finalized": 1, "user_errors": 0,
+                  **common},
+        "job-b": {"instances": 1, "resets": 1, "steps": 0, "replayed_steps": 0, "finalized": 0, "user_errors": 2,
+                  **common},
+        "default": {"instances": 1, "resets": 1, "steps": 1, "replayed_steps": 0, "finalized": 0, "user_errors": 0,
+                    **common},
+    }
+    stats = app.state.stats
+    assert (stats.resets, stats.steps, stats.replayed_steps, stats.finalized, stats.user_errors) == (4, 2, 1, 1, 2)
+    assert stats.by_job["job-a"].steps == 1
+
+
+class GymnasiumEnv:
+    """Returns gymnasium 5-tuples: the action names (terminated, truncated)."""
+
+    def reset(self, **kwargs):
+        return "start", {}
+
+    def step(self, action):
+        terminated, truncated = {"cut": (False, True), "end": (True, False), "both": (True, True),
+                                 "go": (False, False)}[action]
+        return "obs", 0.0, terminated, truncated, {"k": 1}
+
+
+def test_gymnasium_truncation_survives_as_info_truncated():
+    with running_env_server(GymnasiumEnv) as (url,):
+        with httpx.Client(base_url=url, timeout=10.0, trust_env=False) as client:
+            answers = {}
+            for action in ("cut", "end", "both", "go"):
+                iid = new_id()
+                client.post("/reset", json={"instance_id": iid})
+                answers[action] = client.post("/step", json={"instance_id": iid, "action": action}).json()
+    assert answers["cut"]["done"] is True and answers["cut"]["info"] == {"k": 1, "truncated": True}
+    for action in ("end", "both"):  # terminated: the episode really ended
+        assert answers[action]["done"] is True and answers[action]["info"] == {"k": 1}
+    assert answers["go"]["done"] is False and answers["go"]["info"] == {"k": 1}

@@ -263,7 +263,7 @@ def test_module_entry_serves_a_builtin_env():
             url = match.group(1) if match else None
         assert url, "no URL printed"
         health = httpx.get(f"{url}/health", timeout=5.0, trust_env=False).json()
-        assert health == {"status": "ok", "instances": 0, "env": "ArithmeticEnv"}
+        assert health == {"status": "ok", "instances": 0, "env": "ArithmeticEnv", "jobs": {}}
         reset = httpx.post(f"{url}/reset", json={"instance_id": "m", "a": 2, "b": 3}, trust_env=False).json()
         assert reset["observation"] == "What is 2 + 3?"
         proc.send_signal(signal.SIGINT)

@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
-from opentinker.environments.interaction import Interaction
+from opentinker.environments.endpoints import EndpointError, EndpointPolicy
+from opentinker.environments.interaction import Interaction, InteractionContext
 from opentinker.environments.registry import (
     InteractionRegistry,
     InteractionSpec,
@@ -208,6 +209,49 @@ def test_build_instantiates_with_names_and_rejects_duplicates():
     with pytest.raises(ValueError, match="duplicate"):
         registry.build([InteractionSpec(name="a", class_path="gsm8k"), InteractionSpec(name="a", class_path="gym")])
     assert registry.build([]) == {}
+
+
+def test_build_applies_the_operators_context_through_create():
+    policy = EndpointPolicy.from_strings(["127.0.0.1:8000"])
+    context = InteractionContext(job_id="job-42", endpoint_policy=policy, max_env_shards=2)
+    registry = default_registry()
+    built = registry.build(
+        [InteractionSpec(name="game", class_path="gym",
+                         config={"env_endpoint": "http://127.0.0.1:8000", "job_id": "chosen-by-client"}),
+         InteractionSpec(name="quiz", class_path="simple_text")],
+        context,
+    )
+    assert built["game"].job_id == "job-42" and built["game"].shards == ["http://127.0.0.1:8000"]
+    assert isinstance(built["quiz"], SimpleTextEnvironment)  # the default create() ignores the context
+    with pytest.raises(EndpointError, match="^env_endpoint http://127.0.0.1:9 is not allowed"):
+        registry.build([InteractionSpec(name="game", class_path="gym", config={"env_endpoint": "http://127.0.0.1:9"})],
+                       context)
+    with pytest.raises(ValueError, match="^env_shards: at most 2"):
+        registry.build([InteractionSpec(name="game", class_path="gym",
+                                        config={"env_endpoint": "http://127.0.0.1:8000", "env_shards": 3})], context)
+    # without a context (trusted in-process use) there is no policy
+    trusted = registry.build([InteractionSpec(name="game", class_path="gym", config={"env_endpoint": "http://127.0.0.1:9"})])
+    assert trusted["game"].shards == ["http://127.0.0.1:9"] and trusted["game"].job_id is None
+
+
+def test_build_hands_the_context_to_a_custom_create():
+    seen = []
+
+    class ContextAware(Interaction):
+        @classmethod
+        def create(cls, config, context=None):
+            seen.append((config, context))
+            return cls(config)
+
+        async def generate_response(self, instance_id, messages, **kwargs):
+            return True, "", 0.0, {}
+
+    registry = InteractionRegistry()
+    registry.register("aware", ContextAware)
+    context = InteractionContext(job_id="j")
+    built = registry.build([InteractionSpec(name="a", class_path="aware", config={"k": 1})], context)
+    assert isinstance(built["a"], ContextAware)
+    assert seen == [({"k": 1, "name": "a"}, context)]
 
 
 def test_thin_client_import_stays_light():
