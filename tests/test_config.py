@@ -73,7 +73,7 @@ def test_grpo_with_one_sample_per_prompt_is_a_clear_error():
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match="multiple of"):
         make_config(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
-    with pytest.raises(ConfigError, match="must be > 0"):
+    with pytest.raises(ConfigError, match="'trainer.total_training_steps' must be >= 1 and <= 100000, got 0"):
         make_config(["trainer.total_training_steps=0"])
     with pytest.raises(ConfigError, match="top_p"):
         make_config(["actor_rollout_ref.rollout.top_p=0"])
@@ -100,3 +100,65 @@ def test_mappings_may_use_dotted_keys():
     assert cfg.actor_rollout_ref.rollout.n == 4 and cfg.data.train_batch_size == 16 and cfg.trainer.seed == 3
     with pytest.raises(ConfigError, match="did you mean 'actor_rollout_ref.rollout.n'"):
         make_config({"actor_rollout_ref.rollout.nn": 4})
+
+
+def test_interpolation_is_refused_in_every_form(monkeypatch):
+    monkeypatch.setenv("SECRET_FOR_TEST", "s3cret")
+    for override in (["trainer.experiment_name=${oc.env:SECRET_FOR_TEST}"],
+                     {"trainer": {"project_name": "${oc.env:SECRET_FOR_TEST}"}},
+                     {"trainer.logger": ["console", "${trainer.project_name}"]}):
+        with pytest.raises(ConfigError, match="interpolation is not supported") as error:
+            make_config(override)
+        assert "s3cret" not in str(error.value)
+
+
+def test_every_numeric_key_has_a_range_and_every_none_default_a_type():
+    from opentinker.config import RANGES, TYPES, VALID_KEYS
+
+    numeric = {k for k, v in VALID_KEYS.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    numeric |= {k for k, t in TYPES.items() if t in (int, float)}
+    assert numeric - set(RANGES) == set()
+    assert {k for k, v in VALID_KEYS.items() if v is None} == set(TYPES)
+
+
+def test_choices_match_the_engine_registries_and_grow_with_them():
+    from opentinker.config import CHOICES
+    from opentinker.engine.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+    from opentinker.engine.algorithms import register_policy_loss
+    from opentinker.engine.data import BUILTIN_TASKS
+    from opentinker.server.validation import TASK_ROW_CHECKS
+
+    assert set(CHOICES["algorithm.adv_estimator"]) == set(ADVANTAGE_ESTIMATORS)
+    assert set(CHOICES["actor_rollout_ref.actor.policy_loss"]) == set(POLICY_LOSSES)
+    assert set(CHOICES["actor_rollout_ref.actor.kl_loss_type"]) == set(KL_KINDS)
+    assert set(CHOICES["actor_rollout_ref.actor.loss_agg_mode"]) == set(LOSS_AGG_MODES)
+    assert set(CHOICES["data.task"]) == set(BUILTIN_TASKS) == set(TASK_ROW_CHECKS)
+    with pytest.raises(ConfigError, match="unknown value 'my_loss'"):
+        make_config(["actor_rollout_ref.actor.policy_loss=my_loss"])
+    register_policy_loss("my_loss")(lambda *args, **kwargs: None)
+    try:
+        assert make_config(["actor_rollout_ref.actor.policy_loss=my_loss"]).actor_rollout_ref.actor.policy_loss == "my_loss"
+    finally:
+        CHOICES["actor_rollout_ref.actor.policy_loss"].remove("my_loss")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.model.path=5", "'actor_rollout_ref.model.path' expects str"),
+        ("actor_rollout_ref.actor.clip_ratio=0", "'actor_rollout_ref.actor.clip_ratio' must be > 0 and <= 10"),
+        ("actor_rollout_ref.actor.optim.betas=[0.9,1.5]", "betas' must be two numbers in [0, 1)"),
+        ("trainer.logger=[console,wandbb]", "did you mean 'wandb'?"),
+        ("trainer.experiment_name=" + "x" * 2000, "at most 1024 characters"),
+    ],
+)
+def test_value_checks_name_the_key(override, message):
+    with pytest.raises(ConfigError) as error:
+        make_config([override])
+    assert message in str(error.value)
+
+
+def test_operator_limits_replace_upper_bounds():
+    assert make_config(["actor_rollout_ref.rollout.n=4"], limits={"actor_rollout_ref.rollout.n": 4})
+    with pytest.raises(ConfigError, match="<= 4 \\(a limit of this server\\), got 8"):
+        make_config([], limits={"actor_rollout_ref.rollout.n": 4})

@@ -2,13 +2,19 @@
 
 States: PENDING -> GENERATING <-> INTERACTING -> DONE. The model's tokens are kept exactly
 as sampled (mask 1, with their rollout logprobs); each environment turn is appended as the
-chat template's increment (mask 0). The interaction is always finalized, errors included.
+chat template's increment (mask 0). The loop picks each instance id itself, so the
+interaction is finalized whenever its start was attempted, errors (a failed reset) included.
+
+A trajectory is ``excluded`` (left out of the loss and of its group's statistics) when its
+environment failed and no ``env_error_reward`` is configured, or when an env-provided
+prompt is longer than ``max_prompt_length``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -17,7 +23,12 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.rollout import Completion, SamplingParams
-from opentinker.environments.interaction import EnvironmentServerError, Interaction
+from opentinker.environments.interaction import (
+    MAX_STEPS_REACHED,
+    TRUNCATED,
+    EnvironmentServerError,
+    Interaction,
+)
 
 GenerateFn = Callable[[Sequence[int], SamplingParams], Awaitable[Completion]]
 RewardMode = Literal["sum", "last", "score"]
@@ -25,11 +36,17 @@ RewardMode = Literal["sum", "last", "score"]
 STOP_REASONS = (
     "completed",  # single turn without an interaction: the model answered
     "env_done",  # the environment said done
+    "env_truncated",  # the environment said done because it cut the episode short (gym's truncated)
+    "max_env_steps",  # the interaction's own step budget (e.g. GymEnvironmentInteraction max_steps) ran out
     "max_assistant_turns",
     "max_user_turns",
     "max_response_length",  # the total response budget (model + environment tokens) ran out
+    "prompt_too_long",  # an env-provided prompt exceeds max_prompt_length: ended before generation
     "env_error",  # the environment server failed (HTTP error, timeout, bad JSON)
 )
+#: Stop reasons after which a trajectory has no reward of its own: it is excluded, or (env_error
+#: with a configured env_error_reward) gets that reward.
+EXCLUDABLE_STOP_REASONS = ("env_error", "prompt_too_long")
 
 
 class AgentState(enum.Enum):
@@ -48,7 +65,12 @@ class AgentLoopConfig:
     max_tokens_per_turn: int = 64
     max_response_length: int = 256  # model + environment tokens after the prompt
     reward_mode: RewardMode = "sum"  # sum | last | score (the interaction's calculate_score)
-    env_error_reward: float = 0.0
+    # None: a trajectory ended by an env error is excluded (see Trajectory.excluded);
+    # a number: it is kept with this reward.
+    env_error_reward: float | None = None
+    # Prompts the environment writes (data-free rows) longer than this end the trajectory
+    # before generation (stop reason prompt_too_long); None: no limit.
+    max_prompt_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +80,9 @@ class Trajectory:
     ``response_mask[i]`` is 1 where ``response_ids[i]`` was sampled from the model (these
     tokens, and only these, carry loss) and 0 on environment/template tokens.
     ``rollout_logprobs`` is aligned with ``response_ids`` (0.0 on environment tokens). The
-    scalar ``reward`` belongs on the last mask-1 token.
+    scalar ``reward`` belongs on the last mask-1 token. ``excluded``: the trajectory must be
+    left out of the loss and of its group's advantage statistics (its ``reward`` is then a
+    placeholder 0.0); set for ``prompt_too_long`` and, without ``env_error_reward``, ``env_error``.
     """
 
     prompt_ids: list[int]
@@ -71,6 +95,7 @@ class Trajectory:
     stop_reason: str
     messages: list[dict[str, str]]
     info: dict[str, Any] = field(default_factory=dict)
+    excluded: bool = False
 
 
 class AgentLoop:
@@ -124,6 +149,7 @@ class _Run:
         self.env_seconds = 0.0
         self.env_calls = 0
         self.error: str | None = None
+        self.error_url: str | None = None
 
     async def execute(self) -> Trajectory:
         try:
@@ -135,8 +161,7 @@ class _Run:
                     else:
                         await self._interact()
             except EnvironmentServerError as error:
-                self.stop_reason, self.error = "env_error", str(error)
-                self.state = AgentState.DONE
+                self._env_failed(error)
             reward = await self._reward()  # before finalizing: a score may need the instance
         finally:
             await self._finalize()
@@ -144,9 +169,15 @@ class _Run:
 
     # -- states --------------------------------------------------------------------
     async def _start(self) -> None:
+        env_prompt = False
         if self.interaction is not None:
-            self.instance_id = await self._env_call(self.interaction.start_interaction(None, **self.interaction_kwargs))
+            # Chosen here, before the call, so a start that fails half-way is still finalized.
+            self.instance_id = str(uuid.uuid4())
+            start = self.interaction.start_interaction(self.instance_id, **self.interaction_kwargs)
+            started = await self._env_call(start)
+            self.instance_id = started or self.instance_id
             if not any(m.get("role") == "user" for m in self.messages):  # data-free: the env opens
+                env_prompt = True
                 first = await self._env_call(self.interaction.initial_observation(self.instance_id))
                 if first is None:
                     raise ValueError("the dataset row has no prompt and the interaction gives no initial observation")
@@ -156,6 +187,11 @@ class _Run:
         if not self.messages:
             raise ValueError("an agent loop needs prompt messages or a data-free interaction")
         self.prompt_ids = self.loop.templater.prompt_ids(self.messages)
+        limit = self.cfg.max_prompt_length
+        if env_prompt and limit is not None and len(self.prompt_ids) > limit:
+            self.error = (f"the environment's prompt has {len(self.prompt_ids)} tokens, "
+                          f"more than max_prompt_length={limit}")
+            return self._stop("prompt_too_long")
         self.state = AgentState.GENERATING
 
     async def _generate(self) -> None:
@@ -180,7 +216,9 @@ class _Run:
         )
         self.turn_rewards.append(float(reward))
         if done:
-            return self._stop("env_done")
+            if info.get(MAX_STEPS_REACHED) is True:
+                return self._stop("max_env_steps")
+            return self._stop("env_truncated" if info.get(TRUNCATED) is True else "env_done")
         if self.assistant_turns >= self.cfg.max_assistant_turns:
             return self._stop("max_assistant_turns")
         if self.user_turns >= self.cfg.max_user_turns:
@@ -197,6 +235,16 @@ class _Run:
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
         self.state = AgentState.DONE
+
+    def _env_failed(self, error: EnvironmentServerError) -> None:
+        self.error, self.error_url = str(error), error.url
+        self._stop("env_error")
+
+    @property
+    def excluded(self) -> bool:
+        if self.stop_reason == "env_error":
+            return self.cfg.env_error_reward is None
+        return self.stop_reason == "prompt_too_long"
 
     def _append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
         self.response_ids.extend(ids)
@@ -219,16 +267,23 @@ class _Run:
                 self.error = self.error or f"finalize failed: {error}"
 
     async def _reward(self) -> float:
-        if self.stop_reason == "env_error":
-            return self.cfg.env_error_reward
+        if self.stop_reason in EXCLUDABLE_STOP_REASONS:
+            return self._failed_reward()
         if self.cfg.reward_mode == "score" and self.interaction is not None and self.instance_id is not None:
             try:
                 return float(await self.interaction.calculate_score(self.instance_id))
-            except EnvironmentServerError:
-                return self.cfg.env_error_reward
+            except EnvironmentServerError as error:  # the episode ran, but its score is unknown
+                self._env_failed(error)
+                return self._failed_reward()
         if self.cfg.reward_mode == "last":
             return self.turn_rewards[-1] if self.turn_rewards else 0.0
         return float(sum(self.turn_rewards))
+
+    def _failed_reward(self) -> float:
+        """The configured env-error reward, or 0.0 as a placeholder for an excluded trajectory."""
+        if self.stop_reason == "env_error" and self.cfg.env_error_reward is not None:
+            return float(self.cfg.env_error_reward)
+        return 0.0
 
     def _trajectory(self, reward: float) -> Trajectory:
         return Trajectory(
@@ -241,5 +296,7 @@ class _Run:
             num_turns=self.assistant_turns,
             stop_reason=self.stop_reason,
             messages=self.messages,
-            info={"env_seconds": self.env_seconds, "env_calls": self.env_calls, "error": self.error},
+            info={"env_seconds": self.env_seconds, "env_calls": self.env_calls, "error": self.error,
+                  "error_url": self.error_url},
+            excluded=self.excluded,
         )

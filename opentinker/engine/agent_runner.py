@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -83,7 +83,10 @@ class AgentLoopRunner:
 
 
 def environment_metrics(rollout) -> dict[str, float]:
-    """Turns, stop reasons, env errors and env latency, per environment (multi-turn only)."""
+    """Turns, stop reasons, env errors, exclusions and env latency, per environment (multi-turn only).
+
+    ``reward_mean`` is over the samples that are not excluded, and absent when every one is.
+    """
     by_env: dict[str, list[Trajectory]] = defaultdict(list)
     for trajectory, name in zip(rollout.trajectories, rollout.interaction_names):
         if name is not None:
@@ -92,10 +95,14 @@ def environment_metrics(rollout) -> dict[str, float]:
     for name, trajectories in by_env.items():
         count = len(trajectories)
         prefix = f"env/{name}"
+        scored = [t.reward for t in trajectories if not t.excluded]
         metrics[f"{prefix}/samples"] = count
-        metrics[f"{prefix}/reward_mean"] = sum(t.reward for t in trajectories) / count
+        if scored:
+            metrics[f"{prefix}/reward_mean"] = sum(scored) / len(scored)
+        metrics[f"{prefix}/excluded"] = count - len(scored)
         metrics[f"{prefix}/turns_mean"] = sum(t.num_turns for t in trajectories) / count
         metrics[f"{prefix}/env_errors"] = sum(t.stop_reason == "env_error" for t in trajectories)
+        metrics[f"{prefix}/prompt_too_long"] = sum(t.stop_reason == "prompt_too_long" for t in trajectories)
         calls = sum(t.info.get("env_calls", 0) for t in trajectories)
         seconds = sum(t.info.get("env_seconds", 0.0) for t in trajectories)
         metrics[f"{prefix}/env_latency_s"] = seconds / calls if calls else 0.0
@@ -105,3 +112,35 @@ def environment_metrics(rollout) -> dict[str, float]:
         for reason, hits in reasons.items():
             metrics[f"{prefix}/stop/{reason}"] = hits / count
     return metrics
+
+
+_PROTOCOL_PATHS = ("reset", "step", "finalize", "health")
+_MAX_ENDPOINTS_NAMED = 5
+
+
+def env_endpoint_of(url: str) -> str:
+    """The env server's base URL of a request URL (``http://h:1/reset`` -> ``http://h:1``)."""
+    base, _, last = url.rpartition("/")
+    return base if last in _PROTOCOL_PATHS and "://" in base else url
+
+
+def failure_summary(trajectories: Sequence[Trajectory], interaction_names: Sequence[str | None]) -> str:
+    """Why none of ``trajectories`` could be trained on: their stop reasons, the env endpoints
+    that failed (with the interaction using each) and the last error text."""
+    reasons = Counter(t.stop_reason or "unknown" for t in trajectories)
+    parts = [f"none of {len(trajectories)} samples had anything to train on "
+             f"({', '.join(f'{reason} x{count}' for reason, count in reasons.most_common())})"]
+    endpoints: dict[str, None] = {}  # ordered set of "url (interaction 'name')"
+    last_error = None
+    for trajectory, name in zip(trajectories, interaction_names):
+        url = trajectory.info.get("error_url")
+        if url:
+            endpoints[f"{env_endpoint_of(url)}" + (f" (interaction {name!r})" if name else "")] = None
+        last_error = trajectory.info.get("error") or last_error
+    if endpoints:
+        named = list(endpoints)
+        more = f" and {len(named) - _MAX_ENDPOINTS_NAMED} more" if len(named) > _MAX_ENDPOINTS_NAMED else ""
+        parts.append(f"env endpoint(s): {', '.join(named[:_MAX_ENDPOINTS_NAMED])}{more}")
+    if last_error:
+        parts.append(f"last error: {last_error}")
+    return "; ".join(parts)

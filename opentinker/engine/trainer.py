@@ -3,6 +3,13 @@
 A step is: rollout (n samples per prompt) -> rewards -> old/ref logprobs -> advantages ->
 update -> weight sync -> metrics. Everything heavy sits behind two objects: the policy
 ``WorkerGroup`` (training) and the ``RolloutEngine`` (sampling).
+
+Samples that cannot be trained on (excluded trajectories: env errors without an
+``env_error_reward``, env prompts that are too long; and any whose env failed before the
+model spoke) leave the batch before advantages. A step left with nothing is skipped: it
+still counts (``global_step`` advances; ``train/skipped``, ``skip_reason``), and
+``trainer.max_consecutive_empty_steps`` skipped steps in a row raise
+:class:`EnvironmentUnavailableError`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from opentinker.config import ConfigError, make_config
 from opentinker.engine.agent_loop import AgentLoopConfig, Trajectory
-from opentinker.engine.agent_runner import AgentLoopRunner, environment_metrics, single_turn_trajectory
+from opentinker.engine.agent_runner import (
+    AgentLoopRunner,
+    environment_metrics,
+    failure_summary,
+    single_turn_trajectory,
+)
 from opentinker.engine.algorithms import get_advantage_estimator, masked_mean
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.batch import TokenBatch
@@ -42,6 +54,12 @@ if TYPE_CHECKING:
 StepCallback = Callable[[int, dict[str, float]], None]
 
 
+class EnvironmentUnavailableError(RuntimeError):
+    """Too many training steps in a row had nothing to train on, because every sample's
+    environment failed (or wrote a prompt that is too long). The message names the env
+    endpoints and the last error."""
+
+
 @dataclass
 class Rollout:
     """The samples of one step, in prompt-major order (n consecutive samples per prompt)."""
@@ -54,6 +72,10 @@ class Rollout:
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+    def trainable(self) -> list[int]:
+        """Indices of the samples that go into the loss: not excluded, and the model spoke."""
+        return [i for i, t in enumerate(self.trajectories) if not t.excluded and t.response_ids]
 
     def keep(self, indices: Sequence[int]) -> "Rollout":
         return Rollout(*([field[i] for i in indices] for field in
@@ -129,10 +151,13 @@ class RLTrainer:
                     max_response_length=cfg.data.max_response_length,
                     reward_mode=multi_turn.reward_mode,
                     env_error_reward=multi_turn.env_error_reward,
+                    max_prompt_length=cfg.data.max_prompt_length,  # for prompts the env writes
                 ),
                 self.interactions,
             )
         self.global_step = 0
+        self.skipped_steps = 0  # steps with nothing to train on, in all
+        self.consecutive_skipped_steps = 0
         self.wandb_run = start_wandb(cfg) if "wandb" in cfg.trainer.logger else None
         if self.strategy_judge is None and cfg.algorithm.enable_solution_classification:
             self.strategy_judge = judge_from_config(cfg, self.model_path)
@@ -260,40 +285,79 @@ class RLTrainer:
         self.rollout.update_weights(self.workers.state_dict())
 
     # -- one step ------------------------------------------------------------------
-    def step(self, rows: Sequence[dict] | None = None) -> dict[str, float]:
-        """One training step on ``rows`` (a client-pushed batch) or on the next loader batch."""
-        cfg = self.cfg
-        temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
+    def step(self, rows: Sequence[dict] | None = None) -> dict[str, Any]:
+        """One training step on ``rows`` (a client-pushed batch) or on the next loader batch.
+
+        A step with no trainable sample is skipped (see :meth:`skip_step`); the metrics
+        always have ``train/skipped`` (1.0 or 0.0) and ``train/skipped_total``.
+        """
         timer = Timer()
         with timer.phase("step"):
             prompts = next(self.loader) if rows is None else self.tokenize_batch(rows)
             with timer.phase("rollout"):
-                full_rollout = self.generate(prompts, cfg.actor_rollout_ref.rollout.n)
-            # An env that failed before the model spoke leaves nothing to train on.
-            rollout = full_rollout.keep([i for i, t in enumerate(full_rollout.trajectories) if t.response_ids])
-            batch = self.to_batch(rollout)
-            if not self.is_on_policy():
-                with timer.phase("old_logprob"):
-                    batch.tensors["old_logprobs"] = self.workers.compute_logprobs(batch, temperature=temperature)["logprobs"]
-            if cfg.actor_rollout_ref.actor.use_kl_loss:
-                with timer.phase("ref_logprob"):
-                    batch.tensors["ref_logprobs"] = self.workers.compute_logprobs(
-                        batch, temperature=temperature, reference=True
-                    )["logprobs"]
-            with timer.phase("advantages"):
-                adv_metrics = self.compute_advantages(batch, rollout)
-            with timer.phase("update"):
-                update_metrics = self.workers.update(batch, temperature=temperature)
-            with timer.phase("sync"):
-                self.sync_weights()
+                full_rollout = self.generate(prompts, self.cfg.actor_rollout_ref.rollout.n)
+            # Removed before advantages, so excluded samples never shift a group's mean or std.
+            rollout = full_rollout.keep(full_rollout.trainable())
+            if rollout.trajectories:
+                batch, train_metrics = self.train_on(rollout, timer)
+        if not rollout.trajectories:
+            return self.skip_step(full_rollout, timer)
         self.global_step += 1
+        self.consecutive_skipped_steps = 0
         return {
             **self.rollout_metrics(rollout, batch),
             **environment_metrics(full_rollout),
-            **adv_metrics,
-            **update_metrics,
+            **train_metrics,
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
             "perf/tokens_per_s": self.token_count(batch) / timer.seconds["step"],
+            "rollout/excluded_trajectories": float(len(full_rollout.trajectories) - len(rollout.trajectories)),
+            "train/skipped": 0.0,
+            "train/skipped_total": float(self.skipped_steps),
+        }
+
+    def train_on(self, rollout: Rollout, timer: Timer) -> tuple[TokenBatch, dict[str, float]]:
+        """Old/ref logprobs, advantages, the update and the weight sync for ``rollout``."""
+        cfg = self.cfg
+        temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
+        batch = self.to_batch(rollout)
+        if not self.is_on_policy():
+            with timer.phase("old_logprob"):
+                batch.tensors["old_logprobs"] = self.workers.compute_logprobs(batch, temperature=temperature)["logprobs"]
+        if cfg.actor_rollout_ref.actor.use_kl_loss:
+            with timer.phase("ref_logprob"):
+                batch.tensors["ref_logprobs"] = self.workers.compute_logprobs(
+                    batch, temperature=temperature, reference=True
+                )["logprobs"]
+        with timer.phase("advantages"):
+            adv_metrics = self.compute_advantages(batch, rollout)
+        with timer.phase("update"):
+            update_metrics = self.workers.update(batch, temperature=temperature)
+        with timer.phase("sync"):
+            self.sync_weights()
+        return batch, {**adv_metrics, **update_metrics}
+
+    def skip_step(self, full_rollout: Rollout, timer: Timer) -> dict[str, Any]:
+        """A step with nothing to train on: counted as a step (client-mode jobs index steps by
+        number) with ``train/skipped`` 1.0 and ``skip_reason`` (a string naming the env
+        endpoints and the last error); the ``max_consecutive_empty_steps``-th in a row raises
+        :class:`EnvironmentUnavailableError` instead."""
+        reason = failure_summary(full_rollout.trajectories, full_rollout.interaction_names)
+        self.consecutive_skipped_steps += 1
+        limit = self.cfg.trainer.max_consecutive_empty_steps
+        if self.consecutive_skipped_steps >= limit:
+            raise EnvironmentUnavailableError(
+                f"{self.consecutive_skipped_steps} training steps in a row had nothing to train on "
+                f"(trainer.max_consecutive_empty_steps={limit}): {reason}"
+            )
+        self.global_step += 1
+        self.skipped_steps += 1
+        return {
+            **environment_metrics(full_rollout),
+            **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
+            "rollout/excluded_trajectories": float(len(full_rollout.trajectories)),
+            "train/skipped": 1.0,
+            "train/skipped_total": float(self.skipped_steps),
+            "skip_reason": reason,
         }
 
     def tokenize_batch(self, rows: Sequence[dict]) -> list[Prompt]:
@@ -322,18 +386,29 @@ class RLTrainer:
     # -- validation and checkpoints -------------------------------------------------
     def validate(self) -> dict[str, float]:
         """Accuracy (mean of reward > 0) on the held-out prompts; with ``rollout.val_n > 1``
-        also pass@k for k = 1, 2, 4, ... up to val_n (unbiased estimator)."""
+        also pass@k for k = 1, 2, 4, ... up to val_n (unbiased estimator).
+
+        Excluded samples (e.g. env errors) are left out and counted in ``val/excluded``; a
+        metric with no sample to average over is absent rather than a division by zero.
+        """
         if not self.val_prompts:
             return {}
         samples = self.cfg.actor_rollout_ref.rollout.val_n
         rollout = self.generate(self.val_prompts, samples, validation=True)
-        rewards = rollout.rewards
-        metrics = {"val/accuracy": sum(r > 0 for r in rewards) / len(rewards),
-                   "val/reward_mean": sum(rewards) / len(rewards)}
+        groups = [  # the rewards of each prompt's samples that count
+            [t.reward for t in rollout.trajectories[i:i + samples] if not t.excluded]
+            for i in range(0, len(rollout.trajectories), samples)
+        ]
+        rewards = [r for group in groups for r in group]
+        metrics = {"val/excluded": float(len(rollout.trajectories) - len(rewards))}
+        if rewards:
+            metrics["val/accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
+            metrics["val/reward_mean"] = sum(rewards) / len(rewards)
         if samples > 1:
-            correct = [sum(r > 0 for r in rewards[i:i + samples]) for i in range(0, len(rewards), samples)]
             for k in sorted({min(2 ** e, samples) for e in range(samples.bit_length() + 1)}):
-                metrics[f"val/pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(correct)
+                usable = [(len(group), sum(r > 0 for r in group)) for group in groups if len(group) >= k]
+                if usable:
+                    metrics[f"val/pass@{k}"] = sum(pass_at_k(n, c, k) for n, c in usable) / len(usable)
         return metrics
 
     def save_checkpoint(self) -> Path | None:
@@ -372,17 +447,20 @@ class RLTrainer:
             progress.write(f"step 0: {_format(last_val)}")
         while self.global_step < total:
             metrics = self.train_step()
-            if "val/accuracy" in metrics:
-                last_val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+            if "skip_reason" in metrics:
+                progress.write(f"step {self.global_step}: skipped, nothing to train on: {metrics['skip_reason']}")
+            val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+            if val:
+                last_val = val
                 progress.write(f"step {self.global_step}: {_format(last_val)}")
             history.append(metrics)
             progress.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}",
+                reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                 kl=f"{metrics.get('actor/kl', 0.0):.4f}",
                 val=f"{last_val.get('val/accuracy', float('nan')):.3f}",
             )
             progress.update(1)
-            if self.wandb_run is not None:
+            if self.wandb_run is not None:  # numbers only: skip_reason and checkpoint are strings
                 self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
                                    step=self.global_step)
             if on_step is not None:

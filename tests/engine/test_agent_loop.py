@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
-from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig
+from opentinker.engine.agent_loop import STOP_REASONS, AgentLoop, AgentLoopConfig
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.rollout import RequestBatcher, SamplingParams
 from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
+from opentinker.environments.interaction import EnvironmentServerError, Interaction
 from opentinker.environments.server import running_app_servers, running_env_server
 
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
@@ -202,16 +204,19 @@ def test_budgets(batcher, tiny_tokenizer, templater):
     assert closing[0] == tiny_tokenizer.eos_token_id
 
 
-@pytest.mark.parametrize("env_error_reward", [0.0, -1.0])
-def test_env_server_500_ends_with_env_error_and_finalizes(batcher, tiny_tokenizer, templater, env_error_reward):
+@pytest.mark.parametrize("env_error_reward, excluded, reward", [(None, True, 0.0), (-1.0, False, -1.0)])
+def test_env_server_500_ends_with_env_error_and_finalizes(batcher, tiny_tokenizer, templater, env_error_reward,
+                                                          excluded, reward):
     with running_env_server(FailingStepEnv) as urls:
         trajectory = run_loop(batcher, tiny_tokenizer, templater, urls[0],
                               config=AgentLoopConfig(env_error_reward=env_error_reward),
                               interaction_config={"retries": 0})
-        health = __import__("httpx").get(f"{urls[0]}/health").json()
+        health = httpx.get(f"{urls[0]}/health", trust_env=False).json()
     assert trajectory.stop_reason == "env_error"
-    assert trajectory.reward == env_error_reward
-    assert "500" in trajectory.info["error"] or "crashed" in trajectory.info["error"]
+    # None (the default): left out of the loss, the reward a placeholder; a number: kept with it
+    assert trajectory.excluded is excluded and trajectory.reward == reward
+    assert trajectory.info["error"].endswith("/step failed: HTTP 500: RuntimeError: the simulator crashed")
+    assert trajectory.info["error_url"] == f"{urls[0]}/step"
     assert health["instances"] == 0  # finalized although the step failed
 
 
@@ -221,7 +226,7 @@ def test_env_server_timeout_is_an_env_error(batcher, tiny_tokenizer, templater):
         trajectory = run_loop(batcher, tiny_tokenizer, templater, urls[0],
                               interaction_config={"timeout_s": 0.3, "retries": 0})
         elapsed = time.perf_counter() - started
-    assert trajectory.stop_reason == "env_error" and trajectory.reward == 0.0
+    assert trajectory.stop_reason == "env_error" and trajectory.excluded
     assert elapsed < 10
 
 
@@ -274,3 +279,123 @@ def test_qwen25_style_template_appends_increments_without_repeating_the_system_p
         chat.extend({"role": "user", "content": t} for t in [next(env_turns, None)] if t is not None)
     rendered = tokenizer.apply_chat_template(chat, tokenize=False)
     assert text + ("\n" if trajectory.response_ids[-1] == tokenizer.eos_token_id else "<|im_end|>\n") == rendered
+
+
+def failing_reset_app(answer: str) -> FastAPI:
+    """/reset answers 500 (``answer="500"``) or applies the reset and answers garbage
+    (``"garbage"``: an answer lost on the way); /finalize records what it got."""
+    app = FastAPI()
+    app.state.resets, app.state.finalized = [], []
+
+    @app.post("/reset")
+    async def reset(body: dict):
+        app.state.resets.append(body["instance_id"])
+        if answer == "500":
+            return JSONResponse({"error": "RuntimeError: the simulator is down"}, status_code=500)
+        return PlainTextResponse("<html>proxy error</html>", media_type="text/html")
+
+    @app.post("/finalize")
+    async def finalize(body: dict):
+        app.state.finalized.append(body["instance_id"])
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+@pytest.mark.parametrize("answer, error", [
+    ("500", "/reset failed: HTTP 500: RuntimeError: the simulator is down"),
+    ("garbage", "/reset failed: invalid JSON in answer (text/html, 24 bytes)"),
+])
+def test_a_failed_reset_is_still_finalized(batcher, tiny_tokenizer, templater, answer, error):
+    app = failing_reset_app(answer)
+    record = []
+    with running_app_servers([app]) as (url,):
+        trajectory = run_loop(batcher, tiny_tokenizer, templater, url, messages=None, record=record,
+                              interaction_config={"retries": 0})
+    assert trajectory.stop_reason == "env_error" and trajectory.excluded
+    assert trajectory.info["error"].endswith(error)
+    assert record == [] and trajectory.response_ids == []  # the model never spoke
+    assert len(app.state.resets) == 1
+    assert app.state.finalized == app.state.resets  # the id the loop picked, finalized once
+
+
+class TruncatingEnv:
+    """A gymnasium env whose episode is cut (truncated, not terminated) at its second step."""
+
+    def reset(self, **kwargs):
+        self.turn = 0
+        return "Start.", {}
+
+    def step(self, action):
+        self.turn += 1
+        return "Go on.", 0.5, False, self.turn == 2, {}
+
+
+def test_truncation_by_max_steps_and_by_the_env_have_their_own_stop_reasons(batcher, tiny_tokenizer, templater):
+    assert {"max_env_steps", "env_truncated", "prompt_too_long"} <= set(STOP_REASONS)
+    config = AgentLoopConfig(max_assistant_turns=5, max_user_turns=5)
+    with running_env_server(ChattyEnv) as urls:
+        cut = run_loop(batcher, tiny_tokenizer, templater, urls[0], config=config,
+                       interaction_config={"max_steps": 2})
+    with running_env_server(TruncatingEnv) as urls:
+        truncated = run_loop(batcher, tiny_tokenizer, templater, urls[0], config=config)
+    with running_env_server(FinishesOnSecondTurnEnv) as urls:
+        done = run_loop(batcher, tiny_tokenizer, templater, urls[0], config=config)
+    assert (cut.stop_reason, cut.num_turns, cut.turn_rewards) == ("max_env_steps", 2, [0.5, 0.5])
+    assert (truncated.stop_reason, truncated.num_turns) == ("env_truncated", 2)
+    assert (done.stop_reason, done.num_turns) == ("env_done", 2)
+    assert not any(t.excluded for t in (cut, truncated, done))
+
+
+class LongPromptEnv(ChattyEnv):
+    def reset(self, **kwargs):
+        return {"observation": "word " * 200}
+
+
+def test_an_env_prompt_longer_than_max_prompt_length_ends_before_generation(batcher, tiny_tokenizer, templater):
+    record = []
+    with running_env_server(LongPromptEnv) as urls:
+        long = run_loop(batcher, tiny_tokenizer, templater, urls[0], messages=None, record=record,
+                        config=AgentLoopConfig(max_prompt_length=64))
+        health = httpx.get(f"{urls[0]}/health", trust_env=False).json()
+        fits = run_loop(batcher, tiny_tokenizer, templater, urls[0], messages=None,
+                        config=AgentLoopConfig(max_prompt_length=len(long.prompt_ids), max_assistant_turns=1))
+    assert long.stop_reason == "prompt_too_long" and long.excluded
+    assert len(long.prompt_ids) > 64 and long.response_ids == [] and record == []  # no generate call
+    assert long.info["error"] == f"the environment's prompt has {len(long.prompt_ids)} tokens, more than max_prompt_length=64"
+    assert health["instances"] == 0  # finalized
+    assert fits.stop_reason == "max_assistant_turns" and not fits.excluded and fits.response_ids
+
+
+class RemoteScoreInteraction(Interaction):
+    """One turn, scored by a remote grader that is down."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.finalized = []
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return True, "", 1.0, {}
+
+    async def calculate_score(self, instance_id, **kwargs):
+        raise EnvironmentServerError("http://127.0.0.1:9/score", "ConnectError: grader down")
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        self.finalized.append(instance_id)
+
+
+@pytest.mark.parametrize("env_error_reward, excluded, reward", [(None, True, 0.0), (-2.0, False, -2.0)])
+def test_a_score_that_cannot_be_computed_is_an_env_error(batcher, tiny_tokenizer, templater, env_error_reward,
+                                                          excluded, reward):
+    interaction = RemoteScoreInteraction()
+    loop = AgentLoop(batcher.agenerate, tiny_tokenizer, templater,
+                     AgentLoopConfig(reward_mode="score", env_error_reward=env_error_reward),
+                     SamplingParams(temperature=1.0, max_tokens=8, seed=0))
+    trajectory = asyncio.run(loop.run(QUESTION, interaction, {}))
+    assert (trajectory.stop_reason, trajectory.excluded, trajectory.reward) == ("env_error", excluded, reward)
+    assert trajectory.info["error_url"] == "http://127.0.0.1:9/score" and trajectory.response_ids
+    assert len(interaction.finalized) == 1

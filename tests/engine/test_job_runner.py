@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 from opentinker.environments.arithmetic import make_problems
+from opentinker.server.policy import JobPolicy, parse_served_models
 from opentinker.server.runner import JobRunner
 
 FAST = {"trainer.total_training_steps": 2, "trainer.test_freq": -1, "data.train_batch_size": 2,
@@ -55,11 +56,22 @@ def test_cancel_while_waiting_for_a_batch(tiny_model_dir, tmp_path):
 
 
 def test_a_failing_job_reports_why(tmp_path):
-    runner = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": str(tmp_path / "nope")}},
-                       str(tmp_path))
+    # A served model whose folder the operator got wrong: the job fails and says so.
+    policy = JobPolicy(models=parse_served_models([f"broken={tmp_path / 'nope'}"]))
+    runner = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": "broken"}},
+                       str(tmp_path), policy)
     outcome = runner.run()
     assert outcome["status"] == "failed" and "does not exist" in outcome["error"]
     assert [e["type"] for e in runner.drain_events()] == ["error"]
+
+
+def test_the_runner_applies_the_policy_again(tmp_path):
+    folder = str(tmp_path / "someone-elses-checkpoint")
+    outcome = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": folder}},
+                        str(tmp_path)).run()
+    assert outcome["status"] == "failed"
+    assert outcome["error"].startswith("PolicyError: actor_rollout_ref.model.path: ")
+    assert "is not a model served here" in outcome["error"]
 
 
 def test_interaction_class_paths_go_through_the_allowlist(tmp_path):

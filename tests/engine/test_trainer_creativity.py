@@ -24,7 +24,8 @@ def test_validation_reports_pass_at_k_up_to_val_n(tiny_model_dir):
     trainer = RLTrainer(make_config([*FAST, "actor_rollout_ref.rollout.val_n=4",
                                      "actor_rollout_ref.rollout.val_temperature=1.0"]))
     metrics = trainer.validate()
-    assert set(metrics) == {"val/accuracy", "val/reward_mean", "val/pass@1", "val/pass@2", "val/pass@4"}
+    assert set(metrics) == {"val/accuracy", "val/reward_mean", "val/excluded", "val/pass@1", "val/pass@2", "val/pass@4"}
+    assert metrics["val/excluded"] == 0  # single-turn samples are never excluded
     assert metrics["val/pass@1"] == pytest.approx(metrics["val/accuracy"])
     assert metrics["val/pass@1"] <= metrics["val/pass@2"] <= metrics["val/pass@4"]
 

@@ -30,6 +30,19 @@ BASE = ["trainer.progress_bar=false", "actor_rollout_ref.rollout.multi_turn.max_
         "data.max_response_length=16"]
 
 
+def spy_on_advantages(trainer: RLTrainer) -> list:
+    """Record the rollout each step computes advantages on (the real method still runs)."""
+    seen = []
+    real = trainer.compute_advantages
+
+    def compute_advantages(batch, rollout):
+        seen.append((len(batch), list(rollout.trajectories)))
+        return real(batch, rollout)
+
+    trainer.compute_advantages = compute_advantages
+    return seen
+
+
 def test_training_goes_on_when_the_env_server_fails(tiny_model_dir):
     with running_env_server(FlakyArithmeticEnv) as urls:
         interaction = GymEnvironmentInteraction({"env_endpoint": urls[0], "retries": 0})
@@ -37,14 +50,92 @@ def test_training_goes_on_when_the_env_server_fails(tiny_model_dir):
             make_config([*BASE, "trainer.total_training_steps=2", "trainer.test_freq=-1"]),
             train_rows=data_free_rows(64, "flaky"), interactions={"flaky": interaction},
         )
+        seen = spy_on_advantages(trainer)
         history = trainer.fit()
         live = httpx.get(f"{urls[0]}/health").json()["instances"]
     errors = sum(m["env/flaky/env_errors"] for m in history)
     assert errors > 0  # some problems crashed the env ...
     assert all(m["actor/optimizer_steps"] == 1 for m in history)  # ... and every step still trained
+    assert all(m["train/skipped"] == 0.0 and m["train/skipped_total"] == 0.0 for m in history)
     assert all(0 < m["env/flaky/stop/env_error"] < 1 for m in history)
     assert all("env/flaky/env_latency_s" in m and "env/flaky/turns_mean" in m for m in history)
+    # env_error_reward is None by default: the failed samples are left out of the loss and of
+    # the group statistics (removed before advantages), and counted
+    for metrics, (batch_size, trajectories) in zip(history, seen):
+        assert metrics["rollout/excluded_trajectories"] == metrics["env/flaky/env_errors"] > 0
+        assert metrics["env/flaky/excluded"] == metrics["env/flaky/env_errors"]
+        assert batch_size == len(trajectories) == metrics["env/flaky/samples"] - metrics["env/flaky/env_errors"]
+        assert not any(t.stop_reason == "env_error" or t.excluded for t in trajectories)
     assert live == 0  # every instance was finalized
+
+
+def test_a_numeric_env_error_reward_keeps_failed_samples_with_that_reward(tiny_model_dir):
+    with running_env_server(FlakyArithmeticEnv) as urls:
+        trainer = RLTrainer(
+            make_config([*BASE, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                         "actor_rollout_ref.rollout.multi_turn.env_error_reward=-0.5"]),
+            train_rows=data_free_rows(64, "flaky"),
+            interactions={"flaky": GymEnvironmentInteraction({"env_endpoint": urls[0], "retries": 0})},
+        )
+        seen = spy_on_advantages(trainer)
+        metrics = trainer.fit()[-1]
+    (batch_size, trajectories), = seen
+    failed = [t for t in trajectories if t.stop_reason == "env_error"]
+    assert len(failed) == metrics["env/flaky/env_errors"] > 0  # in the batch, with the configured reward
+    assert all(t.reward == -0.5 and not t.excluded for t in failed)
+    assert batch_size == metrics["env/flaky/samples"] and metrics["rollout/excluded_trajectories"] == 0
+
+
+def test_validation_leaves_failed_samples_out_and_counts_them(tiny_model_dir):
+    with running_env_server(FlakyArithmeticEnv) as urls:
+        trainer = RLTrainer(
+            make_config([*BASE, "trainer.total_training_steps=1", "data.val_batch_size=32"]),
+            train_rows=data_free_rows(8, "flaky"), val_rows=data_free_rows(32, "flaky"),
+            interactions={"flaky": GymEnvironmentInteraction({"env_endpoint": urls[0], "retries": 0})},
+        )
+        rollouts = []
+        real_generate = trainer.generate
+
+        def generate(*args, **kwargs):  # records the validation rollout; the real method runs
+            rollouts.append(real_generate(*args, **kwargs))
+            return rollouts[-1]
+
+        trainer.generate = generate
+        metrics = trainer.validate()
+    kept = [t.reward for t in rollouts[0].trajectories if not t.excluded]
+    excluded = len(rollouts[0].trajectories) - len(kept)
+    assert 0 < excluded < 32
+    assert metrics == {"val/excluded": excluded, "val/accuracy": sum(r > 0 for r in kept) / len(kept),
+                       "val/reward_mean": sum(kept) / len(kept)}
+
+
+class TooLongPromptEnv(ArithmeticEnv):
+    """Half of its problems come with a wordy preamble that no prompt budget has room for."""
+
+    def reset(self, seed=None, **kwargs):
+        first = super().reset(seed=seed, **kwargs)
+        if seed is not None and seed % 2:
+            first["observation"] = "Please read carefully. " * 100 + first["observation"]
+        return first
+
+
+def test_env_prompts_longer_than_max_prompt_length_are_left_out(tiny_model_dir):
+    with running_env_server(TooLongPromptEnv) as urls:
+        trainer = RLTrainer(
+            make_config([*BASE, "trainer.total_training_steps=1", "trainer.test_freq=-1", "data.max_prompt_length=128",
+                         "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=8"]),
+            train_rows=data_free_rows(8, "wordy"),
+            interactions={"wordy": GymEnvironmentInteraction({"env_endpoint": urls[0]})},
+        )
+        seen = spy_on_advantages(trainer)
+        metrics = trainer.fit()[-1]
+    too_long = metrics["env/wordy/prompt_too_long"]
+    assert 0 < too_long < 16 and too_long % 2 == 0  # the n samples of a prompt share its seed
+    assert metrics["env/wordy/stop/prompt_too_long"] == too_long / 16
+    assert metrics["rollout/excluded_trajectories"] == too_long == metrics["env/wordy/excluded"]
+    (batch_size, trajectories), = seen
+    assert batch_size == 16 - too_long and all(len(t.prompt_ids) <= 128 for t in trajectories)
 
 
 def test_guess_the_number_runs_multi_turn_episodes(tiny_model_dir):

@@ -32,7 +32,7 @@ AdvantageOutput = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
 AdvantageEstimatorFn = Callable[..., AdvantageOutput]
 GroupIndex = Sequence[Hashable] | np.ndarray | torch.Tensor
 
-_REGISTRY: Registry[AdvantageEstimatorFn] = Registry("advantage estimator")
+_REGISTRY: Registry[AdvantageEstimatorFn] = Registry("advantage estimator", config_key="algorithm.adv_estimator")
 
 #: Names of the registered advantage estimators (a live, tuple-like view).
 ADVANTAGE_ESTIMATORS = RegisteredNames(_REGISTRY)

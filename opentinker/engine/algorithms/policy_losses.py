@@ -28,7 +28,7 @@ from opentinker.engine.algorithms.registry import RegisteredNames, Registry
 PolicyLossOutput = tuple[torch.Tensor, dict[str, float]]
 PolicyLossFn = Callable[..., PolicyLossOutput]
 
-_REGISTRY: Registry[PolicyLossFn] = Registry("policy loss")
+_REGISTRY: Registry[PolicyLossFn] = Registry("policy loss", config_key="actor_rollout_ref.actor.policy_loss")
 
 #: Names of the registered policy losses (a live, tuple-like view).
 POLICY_LOSSES = RegisteredNames(_REGISTRY)

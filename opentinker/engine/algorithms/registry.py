@@ -10,6 +10,8 @@ import difflib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar, overload
 
+from opentinker.config import register_choice
+
 F = TypeVar("F", bound=Callable[..., object])
 
 
@@ -27,8 +29,9 @@ def unknown_name_error(kind: str, name: object, valid: Iterable[str]) -> ValueEr
 class Registry(Generic[F]):
     """Maps names to functions of one kind (``kind`` is used in error messages)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, config_key: str | None = None) -> None:
         self.kind = kind
+        self.config_key = config_key  # the config key whose valid values are these names
         self._functions: dict[str, F] = {}
 
     def register(self, name: str, *, override: bool = False) -> Callable[[F], F]:
@@ -48,6 +51,8 @@ class Registry(Generic[F]):
                     f"{getattr(existing, '__qualname__', existing)!s}; pass override=True to replace it."
                 )
             self._functions[name] = fn
+            if self.config_key is not None:
+                register_choice(self.config_key, name)
             return fn
 
         return decorator
