@@ -7,14 +7,59 @@ Every route but ``GET /v1/health`` needs ``Authorization: Bearer <api key>``. Er
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from opentinker.environments.registry import InteractionSpec
 
 API_PREFIX = "/v1"
 PROTOCOL_VERSION = 1
+
+MAX_JSON_DEPTH = 32  # nesting of objects and arrays in a request body
+MAX_INT = 2**63 - 1  # what SQLite (and every int64 on the way) can hold
+JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
+CHECKPOINT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+MAX_NAME_CHARS = 200
+
+
+def wire_problem(value: Any, path: str = "", depth: int = 0) -> str | None:
+    """What makes a decoded JSON value unsafe to store and send back, or None.
+
+    JSON admits values that break later: a lone surrogate (``"\\ud800"``) cannot be encoded
+    as UTF-8, so every later answer that includes it fails; integers past int64 do not fit
+    SQLite; ``NaN`` and ``Infinity`` are not JSON at all; and deep nesting exhausts the
+    stack of whatever walks it next. Checking here turns each into a 422 naming the field.
+    """
+    where = path or "body"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{where}: {value[exc.start:exc.end]!r} (a lone surrogate) is not valid text"
+        return None
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return None if -MAX_INT - 1 <= value <= MAX_INT else f"{where}: integer out of the 64-bit range"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where}: {value} is not a finite number"
+    if isinstance(value, (dict, list)):
+        if depth >= MAX_JSON_DEPTH:
+            return f"{where}: nested deeper than {MAX_JSON_DEPTH} levels"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                problem = wire_problem(key, f"{where} (a key)", depth)
+                if problem:
+                    return problem
+            child = f"{path}.{key}" if isinstance(key, str) and path else f"{path}[{key}]" if path else str(key)
+            problem = wire_problem(item, child, depth + 1)
+            if problem:
+                return problem
+    return None
 
 
 class JobStatus(str, enum.Enum):
@@ -39,10 +84,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class JobCreate(_Model):
+class _Request(_Model):
+    """A request body: refused as a whole (422) when any value in it is unsafe (wire_problem)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire_safe(cls, data: Any) -> Any:
+        problem = wire_problem(data)
+        if problem:
+            raise PydanticCustomError("unsafe_value", problem)  # no "Value error, " prefix
+        return data
+
+
+class JobCreate(_Request):
     """``POST /v1/jobs``. ``config`` holds verl-style overrides, nested or as dotted keys."""
 
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     mode: JobMode = "server"
     config: dict[str, Any] = Field(default_factory=dict)
     interactions: list[InteractionSpec] = Field(default_factory=list)
@@ -89,14 +146,14 @@ class Event(_Model):
     created_at: float
 
 
-class StepBatch(_Model):
+class StepBatch(_Request):
     """``POST /v1/jobs/{id}/steps`` (client mode): the prompts of training step ``step`` (1-based).
 
     Re-sending the same step index (or the same ``Idempotency-Key`` header) is a no-op
     answered with the original acknowledgement.
     """
 
-    step: int = Field(ge=1)
+    step: int = Field(ge=1, le=MAX_INT)
     rows: list[dict[str, Any]] = Field(min_length=1)
 
 
@@ -116,7 +173,7 @@ class CheckpointList(_Model):
     checkpoints: list[CheckpointInfo]
 
 
-class EnvCheck(_Model):
+class EnvCheck(_Request):
     """``POST /v1/env/check``: validate interaction specs and reach each env endpoint."""
 
     interactions: list[InteractionSpec]
@@ -126,6 +183,18 @@ class EnvCheckResult(_Model):
     ok: bool
     allowed_class_paths: list[str]
     problems: list[str] = Field(default_factory=list)
+
+
+class ServedModelInfo(_Model):
+    name: str  # what ``actor_rollout_ref.model.path`` takes
+    default: bool = False  # used when a job names no model
+
+
+class ModelList(_Model):
+    """``GET /v1/models``: the models jobs may train, and the strategy-judge models they may pick."""
+
+    models: list[ServedModelInfo]
+    judge_models: list[str] = Field(default_factory=list)
 
 
 class Health(_Model):

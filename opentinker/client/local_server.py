@@ -3,6 +3,7 @@
 For the quickstart and the examples: they use ``OPENTINKER_BASE_URL`` / ``OPENTINKER_API_KEY``
 when set (a real server), and otherwise start a local one on a free loopback port with the
 embedded tiny model (needs the server extra), create a user and a key, and stop it at the end.
+The local server lets jobs reach env servers on this machine (``--allow-env-host 127.0.0.1``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def local_server(data_dir: str | Path | None = None, port: int | None = None) ->
     with open(log_path, "a") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "opentinker.server.cli", "serve", "--host", "127.0.0.1",
-             "--port", url.rsplit(":", 1)[1], "--data-dir", str(data)],
+             "--port", url.rsplit(":", 1)[1], "--data-dir", str(data),
+             # A personal server: its jobs may use env servers on this machine (the examples start some).
+             "--allow-env-host", "127.0.0.1", "--allow-env-host", "localhost"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:

@@ -1,12 +1,14 @@
 """``create_app(settings)``: the control plane's FastAPI app.
 
-Startup opens the store, marks jobs a previous process left queued/running as
-``interrupted`` (their Ray actors died with it) and starts the JobManager (Ray). OpenAPI
-docs are at ``/docs``.
+Startup opens the store, marks jobs a previous process left running as ``interrupted``
+(their Ray actors died with it; queued jobs stay queued), starts the JobManager (Ray) and
+schedules the queued jobs. OpenAPI docs are at ``/docs`` and ``/openapi.json``, public like
+``/v1/health``; every other route needs an API key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import logging
@@ -18,10 +20,13 @@ import opentinker
 from opentinker.environments.registry import default_registry
 from opentinker.protocol import API_PREFIX
 from opentinker.server.errors import install_error_handlers
+from opentinker.server.event_bus import EventBus
 from opentinker.server.jobs import JobManager
-from opentinker.server.routers import checkpoints, env, events, health, jobs, steps
+from opentinker.server.middleware import BodySizeLimit
+from opentinker.server.routers import checkpoints, env, events, health, jobs, models, steps
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
+from opentinker.server.validation import Tokenizers
 
 log = logging.getLogger("opentinker.server")
 
@@ -41,13 +46,17 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         store = Store(settings.db_path)
-        interrupted = store.mark_unfinished_interrupted(interrupted_reason())
+        app.state.event_bus = EventBus(asyncio.get_running_loop())
+        store.on_events = app.state.event_bus.notify
+        interrupted = store.mark_unfinished_interrupted(interrupted_reason(), keep_queued=True)
         if interrupted:
-            log.warning("marked %d unfinished job(s) interrupted: %s", len(interrupted), ", ".join(interrupted))
+            log.warning("marked %d running job(s) interrupted: %s", len(interrupted), ", ".join(interrupted))
         manager = JobManager(store, settings, runner_cls=runner_cls)
         manager.start()
         app.state.store = store
         app.state.manager = manager
+        app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
+        await manager.schedule()  # jobs queued before a restart
         try:
             yield
         finally:
@@ -57,14 +66,17 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     app = FastAPI(
         title="OpenTinker server",
         version=opentinker.__version__,
-        description="Reinforcement learning of LLMs as a service. Every route but /v1/health needs "
-        "`Authorization: Bearer <api key>`; errors are `{\"error\": ..., \"detail\": ...}`.",
+        description="Reinforcement learning of LLMs as a service. Every route but /v1/health (and these "
+        "docs: /docs, /openapi.json) needs `Authorization: Bearer <api key>`; errors are "
+        "`{\"error\": ..., \"detail\": ...}` with the status saying what kind.",
         lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.registry = registry
     app.state.step_locks = {}
+    app.state.tokenizers = Tokenizers(settings.job_policy)
     install_error_handlers(app)
-    for module in (health, jobs, steps, events, checkpoints, env):
+    for module in (health, models, jobs, steps, events, checkpoints, env):
         app.include_router(module.router, prefix=API_PREFIX)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

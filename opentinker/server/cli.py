@@ -1,7 +1,9 @@
 """``opentinker-server``: run the control plane, and manage users and API keys.
 
     opentinker-server serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [--ray-address ADDR]
-                            [--model PATH] [--allow-interaction module.Class ...]
+                            [--model [NAME=]PATH ...] [--allow-env-host HOST[:PORTS] ...]
+                            [--allow-interaction module.Class ...] [--judge-model M ...]
+                            [--limit KEY=MAX ...] (see --help for every flag)
     opentinker-server admin create-user NAME [--data-dir DIR]
     opentinker-server admin create-key USER [--data-dir DIR]     # prints the key once
     opentinker-server admin list-users [--data-dir DIR]
@@ -41,15 +43,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(serve)
     serve.add_argument("--ray-address", default=None, help="an existing Ray cluster; default: start a local one")
     serve.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
-    serve.add_argument("--model", default=None, help="default model path; default: the embedded tiny model")
-    serve.add_argument(
-        "--allow-interaction",
-        action="append",
-        default=[],
-        metavar="module.Class",
-        help="also allow this Interaction class path in jobs (repeatable)",
-    )
-    serve.add_argument("--max-queued-steps", type=int, default=4, help="client mode: batches a job may queue")
+    serve.add_argument("--ray-all-interfaces", action="store_true",
+                       help="let a local Ray listen on every interface (default: loopback only)")
+    operator = serve.add_argument_group("what jobs may use (nothing else is reachable from a job)")
+    operator.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
+                          help="serve this model (a local folder or hub name) under NAME (default: the path); "
+                          "repeatable; the first is the default; the embedded tiny model is always served")
+    operator.add_argument("--trust-remote-code", action="append", default=[], metavar="NAME",
+                          help="let the served model NAME run the code in its folder (repeatable)")
+    operator.add_argument("--allow-env-host", action="append", default=[], metavar="HOST[:PORTS]",
+                          help="env servers may live here: a name, *.suffix, an IP, a CIDR block or *, with an "
+                          "optional port or LOW-HIGH range (repeatable; default: none)")
+    operator.add_argument("--max-env-shards", type=int, default=16, help="env servers one interaction may name")
+    operator.add_argument("--allow-interaction", action="append", default=[], metavar="module.Class",
+                          help="also allow this Interaction class path in jobs (repeatable)")
+    operator.add_argument("--judge-model", action="append", default=[], metavar="MODEL",
+                          help="an OpenAI-compatible strategy-judge model jobs may use (repeatable; the first "
+                          "is the default); called with this server's OPENAI_API_KEY")
+    operator.add_argument("--judge-base-url", default=None,
+                          help="the judge's OpenAI-compatible endpoint (default: $OPENAI_BASE_URL, else OpenAI)")
+    operator.add_argument("--allow-logger", action="append", default=[], metavar="NAME",
+                          help="let jobs log to NAME (wandb: with this server's credentials) besides the console")
+    operator.add_argument("--limit", action="append", default=[], metavar="KEY=MAX",
+                          help="upper bound of a numeric config key, e.g. trainer.total_training_steps=1000")
+    quotas = serve.add_argument_group("quotas")
+    quotas.add_argument("--max-running-jobs", type=int, default=2, help="jobs per user running at once")
+    quotas.add_argument("--max-queued-jobs", type=int, default=8, help="jobs per user waiting for a slot")
+    quotas.add_argument("--client-idle-timeout", type=float, default=900.0, metavar="SECONDS",
+                        help="stop a client-mode job that has had no step to train this long")
+    quotas.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
+    quotas.add_argument("--max-rows-per-step", type=int, default=4096, help="client mode: rows in one pushed step")
+    quotas.add_argument("--max-queued-steps", type=int, default=4, help="client mode: batches a job may queue")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     admin = commands.add_parser("admin", help="manage users and API keys (works while the server runs)")
@@ -100,6 +124,19 @@ def _admin(args: argparse.Namespace) -> int:
         store.close()
 
 
+def _parse_limits(items: Sequence[str]) -> dict[str, float]:
+    limits = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            limits[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--limit {item!r}: expected KEY=MAX, e.g. trainer.total_training_steps=1000")
+    return limits
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -112,9 +149,22 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             data_dir=args.data_dir,
             ray_address=args.ray_address,
-            default_model=args.model,
-            allowed_interactions=args.allow_interaction,
+            ray_all_interfaces=args.ray_all_interfaces,
             ray_num_cpus=args.ray_num_cpus,
+            models=args.model,
+            trust_remote_code=args.trust_remote_code,
+            env_hosts=args.allow_env_host,
+            max_env_shards=args.max_env_shards,
+            allowed_interactions=args.allow_interaction,
+            judge_models=args.judge_model,
+            judge_base_url=args.judge_base_url,
+            loggers=["console", *args.allow_logger],
+            config_limits=_parse_limits(args.limit),
+            max_running_jobs_per_user=args.max_running_jobs,
+            max_queued_jobs_per_user=args.max_queued_jobs,
+            client_idle_timeout_s=args.client_idle_timeout,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            max_rows_per_step=args.max_rows_per_step,
             max_queued_steps=args.max_queued_steps,
         )
         app = create_app(settings)

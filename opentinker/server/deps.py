@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import Depends, Path, Request
 
 from opentinker.environments.registry import InteractionRegistry
+from opentinker.protocol import JOB_ID_PATTERN
 from opentinker.server.auth import current_user
 from opentinker.server.errors import not_found
 from opentinker.server.jobs import JobManager
@@ -30,7 +31,7 @@ def get_registry(request: Request) -> InteractionRegistry:
 
 
 def owned_job(
-    job_id: str = Path(description="the id POST /v1/jobs returned"),
+    job_id: str = Path(description="the id POST /v1/jobs returned", pattern=JOB_ID_PATTERN),
     user: User = Depends(current_user),
     store: Store = Depends(get_store),
 ) -> JobRecord:

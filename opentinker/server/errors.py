@@ -16,10 +16,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from opentinker.protocol import ErrorBody
 
 log = logging.getLogger("opentinker.server")
+_FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
 
 
 class ApiError(Exception):
@@ -31,6 +33,28 @@ class ApiError(Exception):
         self.message = message
         self.detail = detail
         self.headers = headers
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "the request names something this server does not allow (e.g. an interaction class)",
+    401: "missing, invalid or revoked API key",
+    404: "no such resource among the caller's own",
+    409: "the request conflicts with the resource's state",
+    413: "the request body is larger than the server accepts",
+    422: "invalid request: the message names the field",
+    429: "over a limit of this server; retry after Retry-After seconds",
+    500: "internal server error",
+    503: "a job's runner did not answer in time; retry after Retry-After seconds",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, all with the ErrorBody shape."""
+    return {status: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+#: What any authenticated route can answer.
+AUTHENTICATED_ERRORS = error_responses(401, 413, 422, 500)
 
 
 def not_found(what: str) -> ApiError:
@@ -57,6 +81,16 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> str:
     return "; ".join(f"{field_path(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app serves at the request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -64,9 +98,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _FASTAPI_BODY_PARSE_ERROR:
+            # FastAPI's answer when json.loads raises something other than a decode error:
+            # in practice a body nested thousands of levels deep (RecursionError).
+            return error_response(422, "request body: not valid JSON, or nested too deeply to parse")
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         detail = None if isinstance(exc.detail, str) else exc.detail
-        return error_response(exc.status_code, message, detail, getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return error_response(exc.status_code, message, detail, headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -4,8 +4,9 @@ The runner class (default :class:`opentinker.server.runner.JobRunner`) is wrappe
 threaded Ray actor, so ``run`` can block in one thread while the control plane calls its
 other methods from the event loop. The contract, all methods called through Ray:
 
-- ``Runner(job_id, spec, job_dir, allowed_interactions, default_model)`` where ``spec`` is
-  ``JobCreate.model_dump()`` and ``job_dir`` is ``<data_dir>/jobs/<job_id>`` (created).
+- ``Runner(job_id, spec, job_dir, policy)`` where ``spec`` is ``JobCreate.model_dump()``
+  (datasets included), ``job_dir`` is ``<data_dir>/jobs/<job_id>`` (created) and ``policy``
+  the server's :class:`~opentinker.server.policy.JobPolicy` (served models, allowlists, limits).
 - ``run() -> {"status": "completed"|"failed"|"cancelled", "error": str|None, "step": int}``
   blocks until the job ends.
 - ``drain_events() -> [{"type": EventType, "data": dict}, ...]`` since the last drain;
@@ -17,6 +18,11 @@ other methods from the event loop. The contract, all methods called through Ray:
 
 No call to a runner blocks the event loop: ObjectRefs are awaited (ray.init runs once, at
 startup, before anything is served).
+
+Scheduling: a user has at most ``max_running_jobs_per_user`` jobs in Ray at once; later ones
+stay ``queued`` in the store and start, oldest first, as slots free up (also after a
+restart). A client-mode job with nothing to train for ``client_idle_timeout_s`` is stopped.
+A cancelled job's final status event is published only after its runner's last events.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ import contextlib
 import importlib
 import logging
 import math
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -152,14 +162,49 @@ def normalize_events(raw: Any) -> list[dict[str, Any]]:
     return events
 
 
+@contextlib.contextmanager
+def _ray_on_loopback(enabled: bool) -> Iterator[None]:
+    """Make a local Ray started now listen on 127.0.0.1 only.
+
+    Ray binds its gRPC servers to every interface unless its node IP is 127.0.0.1, and it
+    turns an explicit 127.0.0.1 into the machine's reachable address; only its
+    single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read through
+    ``ray_constants.ENABLE_RAY_CLUSTER``) keeps the loopback address. Seen with Ray 2.60:
+    gcs_server, raylet and workers then listen on [::ffff:127.0.0.1] only.
+    """
+    if not enabled:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes Ray starts
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+        if saved_env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
+
+
 @dataclass
 class _ActiveJob:
     job_id: str
-    actor: Any
+    user_id: int
+    mode: str
+    actor: Any = None
     task: asyncio.Task | None = None
     started: bool = False  # the runner's constructor has returned
     cancel_requested: bool = False
     kill_task: asyncio.Task | None = None
+    # Client mode, for the idle timeout: the last pushed and trained step, and when either moved.
+    pushed_step: int = 0
+    trained_step: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
 
 
 class JobManager:
@@ -177,32 +222,62 @@ class JobManager:
         self._active: dict[str, _ActiveJob] = {}
         self._owns_ray = False
         self._started = False
+        self._reaper: subprocess.Popen | None = None
+        self._scheduling = asyncio.Lock()
+        # Job actors live in this server's own namespace, so that servers sharing a Ray
+        # cluster never see (or sweep) each other's actors.
+        self.namespace = f"{RAY_NAMESPACE}-{store.server_id()[:12]}"
 
     # lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Connect to Ray (or start a local one). If this process already has Ray up (an
-        embedding application, the tests), it is used as is and left running at shutdown."""
+        embedding application, the tests), it is used as is and left running at shutdown.
+
+        A local Ray listens on loopback only (unless ``ray_all_interfaces``) and a watchdog
+        process stops it if this server dies without shutting down. On an existing cluster
+        (``ray_address``), job actors a previous server process left behind are killed."""
         if ray.is_initialized():
             self._owns_ray = False
         else:
+            local = not self.settings.ray_address
             kwargs: dict[str, Any] = dict(
                 address=self.settings.ray_address or None,
                 include_dashboard=False,
                 ignore_reinit_error=True,
                 log_to_driver=False,
             )
-            if not self.settings.ray_address and self.settings.ray_num_cpus is not None:
+            if local and self.settings.ray_num_cpus is not None:
                 kwargs["num_cpus"] = self.settings.ray_num_cpus
-            with _keep_signal_handlers():
+            with _keep_signal_handlers(), _ray_on_loopback(local and not self.settings.ray_all_interfaces):
                 ray.init(**kwargs)
             self._owns_ray = True
+            if local:
+                self._reaper = start_reaper()
+            else:
+                self._kill_leftover_actors()
         self._started = True
         log.info("ray: %s", ray.get_runtime_context().gcs_address)
 
+    def _kill_leftover_actors(self) -> None:
+        """Job actors of a previous process of this server (same store) on a shared cluster:
+        their jobs are marked interrupted at startup, so nothing would ever watch them."""
+        try:
+            names = ray.util.list_named_actors(all_namespaces=True)
+        except Exception:  # an old cluster without the API: nothing to sweep
+            log.exception("could not list the cluster's named actors")
+            return
+        for entry in names:
+            name, namespace = entry.get("name", ""), entry.get("namespace")
+            if namespace == self.namespace and name.startswith(actor_name("")):
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+                    log.warning("killed %s, left running by a previous server process", name)
+
     async def shutdown(self) -> None:
         """Stop watching and kill every job's actor. Their store status is left as is: the
-        next start marks them interrupted (the same as after a crash)."""
+        next start marks running jobs interrupted (the same as after a crash)."""
+        self._started = False  # no new job starts from here on
         active = list(self._active.values())
         for job in active:
             for task in (job.task, job.kill_task):
@@ -216,7 +291,9 @@ class JobManager:
         self._active.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-        self._started = False
+        if self._reaper is not None:
+            stop_reaper(self._reaper)
+            self._reaper = None
 
     # jobs ----------------------------------------------------------------------------
 
@@ -236,39 +313,56 @@ class JobManager:
     def is_active(self, job_id: str) -> bool:
         return job_id in self._active
 
+    def running_count(self, user_id: int) -> int:
+        return sum(1 for job in self._active.values() if job.user_id == user_id)
+
     def submit(self, job: JobRecord) -> None:
-        """Create the job's actor and the task that watches it; returns at once."""
+        """Start the job when its user has a free slot, else leave it queued (it starts when
+        one frees up); returns at once."""
         if not self._started:
             raise RuntimeError("JobManager.start() has not been called")
+        asyncio.get_running_loop().create_task(self.schedule(), name=f"schedule-{job.job_id}")
+
+    async def schedule(self) -> None:
+        """Start queued jobs, oldest first, while their users have free slots."""
+        async with self._scheduling:
+            limit = self.settings.max_running_jobs_per_user
+            for job in self.store.unfinished_jobs(JobStatus.QUEUED):
+                if job.job_id not in self._active and self.running_count(job.user_id) < limit:
+                    await self._launch(job)
+
+    async def _launch(self, job: JobRecord) -> None:
+        """Create the job's actor and the task that watches it."""
+        active = _ActiveJob(job.job_id, job.user_id, job.mode)
+        self._active[job.job_id] = active
         job_dir = self.settings.job_dir(job.job_id)
-        job_dir.mkdir(parents=True, exist_ok=True)
         try:
+            job_dir.mkdir(parents=True, exist_ok=True)
+            data = await asyncio.to_thread(self.store.job_data, job.job_id)  # datasets can be large
+            spec = {**job.spec, **data}
             runner_cls = self.runner_class()
             options: dict[str, Any] = {
                 "max_concurrency": ACTOR_MAX_CONCURRENCY,
                 "name": actor_name(job.job_id),
-                "namespace": RAY_NAMESPACE,
+                "namespace": self.namespace,
             }
             extra_options = getattr(runner_cls, "ray_actor_options", None)
             if callable(extra_options):
-                options.update(extra_options(job.spec) or {})
-            actor = (
+                options.update(extra_options(spec) or {})
+            active.actor = (
                 self._remote_runner()
                 .options(**options)
-                .remote(
-                    job.job_id,
-                    job.spec,
-                    str(job_dir),
-                    list(self.settings.allowed_interactions),
-                    self.settings.default_model,
-                )
+                .remote(job.job_id, spec, str(job_dir), self.settings.job_policy)
             )
         except Exception as exc:  # the runner class failed to import, bad options, ...
             log.exception("job %s: could not start its runner", job.job_id)
+            del self._active[job.job_id]
             self.store.set_status(job.job_id, JobStatus.FAILED, error=f"could not start the job's runner: {exc}")
             return
-        active = _ActiveJob(job.job_id, actor)
-        self._active[job.job_id] = active
+        if self.store.get_job(job.job_id).status is not JobStatus.QUEUED:  # cancelled meanwhile
+            self._kill(active)
+            del self._active[job.job_id]
+            return
         active.task = asyncio.get_running_loop().create_task(self._supervise(active), name=f"job-{job.job_id}")
 
     async def _call(self, job_id: str, method: str, *args: Any, timeout: float | None) -> Any:
@@ -290,16 +384,22 @@ class JobManager:
         to the live actor, so giving up early would leave the step's fate unknown (and a
         retry could deliver it twice). Callers ask ``queued`` first, which has one."""
         await self._call(job_id, "push_batch", step, rows, timeout=None)
+        active = self._active.get(job_id)
+        if active is not None:
+            active.pushed_step = max(active.pushed_step, step)
+            active.last_activity = time.monotonic()
 
     async def request_checkpoint(self, job_id: str) -> None:
         await self._call(job_id, "request_checkpoint", timeout=self.settings.runner_call_timeout_s)
 
     async def cancel(self, job_id: str, reason: str = "cancelled by the user") -> bool:
         """Mark the job cancelled now; ask its runner to stop after the current step and
-        kill the actor once ``run`` returns or ``cancel_grace_s`` has passed. Returns False
-        when the job had already finished (nothing changes)."""
-        changed = self.store.set_status(job_id, JobStatus.CANCELLED, reason=reason)
+        kill the actor once ``run`` returns or ``cancel_grace_s`` has passed. The final
+        status event follows the runner's last events. Returns False when the job had
+        already finished (nothing changes)."""
         active = self._active.get(job_id)
+        draining = active is not None and active.started and not active.cancel_requested
+        changed = self.store.set_status(job_id, JobStatus.CANCELLED, reason=reason, publish=not draining)
         if not changed or active is None or active.cancel_requested:
             return changed
         active.cancel_requested = True
@@ -321,13 +421,25 @@ class JobManager:
 
     # watching one job ------------------------------------------------------------------
 
-    def _store_events(self, job_id: str, raw: Any) -> None:
+    def _store_events(self, active: _ActiveJob, raw: Any) -> None:
         events = normalize_events(raw)
-        if events:
-            self.store.append_runner_events(job_id, events)
+        if not events:
+            return
+        self.store.append_runner_events(active.job_id, events)
+        for event in events:
+            step = event["data"].get("step")
+            if event["type"] == "progress" and isinstance(step, int):
+                active.trained_step = max(active.trained_step, step)
+                active.last_activity = time.monotonic()
 
     async def _drain(self, active: _ActiveJob) -> None:
-        self._store_events(active.job_id, await _ref_future(active.actor.drain_events.remote()))
+        self._store_events(active, await _ref_future(active.actor.drain_events.remote()))
+
+    def _idle_for(self, active: _ActiveJob) -> float | None:
+        """Seconds a client-mode job has had nothing to train (None: it has work, or is not client mode)."""
+        if active.mode != "client" or active.cancel_requested or active.trained_step < active.pushed_step:
+            return None
+        return time.monotonic() - active.last_activity
 
     async def _supervise(self, active: _ActiveJob) -> None:
         job_id, poll = active.job_id, self.settings.event_poll_s
@@ -338,10 +450,19 @@ class JobManager:
             # then on the job is running (before, Ray may still be placing the actor).
             await self._drain(active)
             active.started = True
+            active.last_activity = time.monotonic()
             self.store.set_status(job_id, JobStatus.RUNNING)
+            idle_limit = self.settings.client_idle_timeout_s
             while not run.done():
                 await asyncio.wait({run}, timeout=poll)
                 await self._drain(active)
+                idle = self._idle_for(active)
+                if idle is not None and idle > idle_limit:
+                    await self.cancel(
+                        job_id,
+                        f"stopped after {idle:.0f} s with no step to train (client-mode jobs end after "
+                        f"{idle_limit:g} s without a pushed batch; the server's --client-idle-timeout)",
+                    )
             result = run.result()
             await self._drain(active)
             self._finish(job_id, result)
@@ -366,8 +487,11 @@ class JobManager:
             if active.kill_task is not None and active.kill_task is not asyncio.current_task():
                 active.kill_task.cancel()
             self._kill(active)
+            self.store.publish_status(job_id)  # a cancel's final event, after the runner's last events
             if self._active.get(job_id) is active:
                 del self._active[job_id]
+            if self._started:  # a slot is free: start the next queued job
+                asyncio.get_running_loop().create_task(self.schedule())
 
     def _finish(self, job_id: str, result: Any) -> None:
         if not isinstance(result, dict):
@@ -401,5 +525,28 @@ class JobManager:
             task.cancel()
 
     def _kill(self, active: _ActiveJob) -> None:
-        with contextlib.suppress(Exception):
-            ray.kill(active.actor, no_restart=True)
+        if active.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(active.actor, no_restart=True)
+
+
+def start_reaper() -> subprocess.Popen | None:
+    """Start the watchdog that stops this process's Ray if the process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-m", "opentinker.server.reaper", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a signal to the server's process group spares the watchdog
+    )
+
+
+def stop_reaper(reaper: subprocess.Popen) -> None:
+    """Close the watchdog's pipe (it then stops whatever of Ray is left) and wait for it."""
+    with contextlib.suppress(Exception):
+        assert reaper.stdin is not None
+        reaper.stdin.close()
+    try:
+        reaper.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        reaper.kill()

@@ -14,7 +14,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from opentinker.config import flatten
 from opentinker.protocol import JobCreate
+from opentinker.server.policy import JobPolicy
 
 _BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
 
@@ -24,19 +26,11 @@ class JobCancelled(Exception):
 
 
 class JobRunner:
-    def __init__(
-        self,
-        job_id: str,
-        spec: dict[str, Any],
-        job_dir: str,
-        allowed_interactions: list[str] | None = None,
-        default_model: str | None = None,
-    ):
+    def __init__(self, job_id: str, spec: dict[str, Any], job_dir: str, policy: JobPolicy | None = None):
         self.job_id = job_id
         self.spec = JobCreate.model_validate(spec)
         self.job_dir = Path(job_dir)
-        self.allowed_interactions = list(allowed_interactions or [])
-        self.default_model = default_model
+        self.policy = policy or JobPolicy()
         self._events: list[dict[str, Any]] = []
         self._events_lock = threading.Lock()
         # By step index, not FIFO: calls into a threaded actor may land out of order.
@@ -50,9 +44,7 @@ class JobRunner:
     def ray_actor_options(spec: dict[str, Any]) -> dict[str, Any]:
         """Ray resources for the job's actor: GPUs when the job asks for them (Ray hides GPUs
         from actors that do not reserve any)."""
-        from opentinker.config import make_config
-
-        gpus = make_config(spec.get("config") or {}).trainer.n_gpus_per_node
+        gpus = flatten(spec.get("config") or {}).get("trainer.n_gpus_per_node") or 0
         return {"num_gpus": gpus} if gpus > 0 else {}
 
     # -- called by the server ------------------------------------------------------
@@ -83,7 +75,9 @@ class JobRunner:
         try:
             trainer = self._build_trainer()
             total = trainer.cfg.trainer.total_training_steps
-            self._emit("log", {"message": f"model {trainer.model_path} loaded; training {total} steps"})
+            # The served name, never the path: where a model lives is the operator's business.
+            name = self.policy.served_model(flatten(self.spec.config).get("actor_rollout_ref.model.path")).name
+            self._emit("log", {"message": f"model {name} loaded; training {total} steps"})
             initial = trainer.initial_validation()
             if initial:
                 self._emit("metrics", {"step": 0, "metrics": initial})
@@ -93,6 +87,9 @@ class JobRunner:
                 self._checkpoint.clear()
                 metrics = trainer.train_step(rows, save=save)
                 self.step = trainer.global_step
+                skip_reason = metrics.pop("skip_reason", None)
+                if skip_reason:
+                    self._emit("log", {"level": "warning", "message": f"step {self.step} skipped: {skip_reason}"})
                 self._emit("metrics", {"step": self.step, "metrics": metrics})
                 self._emit("progress", {"step": self.step, "total_steps": total})
                 if "checkpoint" in metrics:
@@ -112,17 +109,14 @@ class JobRunner:
                 trainer.close()
 
     def _build_trainer(self):
-        from opentinker.config import make_config
         from opentinker.engine.trainer import RLTrainer
         from opentinker.environments.registry import default_registry
 
-        server_side = {
-            "trainer": {"default_local_dir": str(self.job_dir / "checkpoints"), "progress_bar": False},
-        }
-        cfg = make_config(self.spec.config, server_side)
-        if cfg.actor_rollout_ref.model.path is None and self.default_model:
-            cfg.actor_rollout_ref.model.path = self.default_model
-        interactions = default_registry(allowed=self.allowed_interactions).build(self.spec.interactions)
+        # The policy again, here where it counts: the client's config plus the operator's
+        # model path, judge endpoint and job folder; env endpoints checked as they are built.
+        cfg = self.policy.runner_config(self.spec.config, str(self.job_dir))
+        registry = default_registry(allowed=self.policy.allowed_interactions)
+        interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id))
         return RLTrainer(cfg, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
                          interactions=interactions or None)
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentinker.config import check_limits
+from opentinker.environments.endpoints import EndpointPolicy
+from opentinker.server.policy import JobPolicy, parse_served_models
+
 
 def default_data_dir() -> Path:
     return Path.home() / ".opentinker-server"
@@ -16,29 +20,71 @@ class ServerSettings:
 
     ``data_dir`` holds the SQLite store (``opentinker.db``) and one folder per job
     (``jobs/<job_id>``: checkpoints and whatever the runner writes).
+
+    Everything a client's job may reach on this machine is listed here and nowhere else:
+    the served models, the judge's endpoint and models, the env hosts, the loggers, the
+    interaction classes, and the limits on what a job and a user may take.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
     ray_address: str | None = None  # None: start a local Ray for this server
-    default_model: str | None = None  # None: the embedded tiny model
-    allowed_interactions: list[str] = field(default_factory=list)  # extra dotted class paths
+    ray_all_interfaces: bool = False  # a local Ray listens on loopback only unless this is set
     ray_num_cpus: int | None = None  # only used when starting a local Ray
+    # Served models: "NAME=PATH" or "PATH" (the first is the default); the tiny model is always served.
+    models: list[str] = field(default_factory=list)
+    trust_remote_code: list[str] = field(default_factory=list)  # served model names allowed to run their code
+    judge_base_url: str | None = None  # the OpenAI-compatible judge's endpoint (None: OPENAI_BASE_URL / OpenAI)
+    judge_models: list[str] = field(default_factory=list)  # judge models jobs may pick; none: no openai judge
+    loggers: list[str] = field(default_factory=lambda: ["console"])  # e.g. add "wandb" (the server's account)
+    allowed_interactions: list[str] = field(default_factory=list)  # extra dotted class paths
+    env_hosts: list[str] = field(default_factory=list)  # "HOST[:PORT[-PORT]]" env servers may live at
+    max_env_shards: int = 16  # shards one interaction may name
+    config_limits: dict[str, float] = field(default_factory=dict)  # upper bounds replacing config.RANGES'
+    # Quotas per user: jobs running at once, and jobs waiting for a slot behind them.
+    max_running_jobs_per_user: int = 2
+    max_queued_jobs_per_user: int = 8
+    client_idle_timeout_s: float = 900.0  # a client-mode job with no step to train this long is stopped
+    max_body_bytes: int = 64 * 2**20  # request bodies past this are answered 413
+    max_rows_per_step: int = 4096  # client mode: rows in one pushed batch
     max_queued_steps: int = 4  # client mode: batches pushed but not yet trained, per job
-    event_poll_s: float = 0.2  # how often runner events are drained and SSE streams poll
+    max_concurrent_env_checks: int = 4  # POST /v1/env/check running at once (server-wide)
+    event_poll_s: float = 0.2  # how often runner events are drained
     cancel_grace_s: float = 30.0  # after a cancel, how long the runner may finish its step
     runner_call_timeout_s: float = 10.0  # control calls (queued, request_checkpoint) to a runner
     keepalive_s: float = 10.0  # SSE comment interval, so proxies keep idle streams open
     endpoint_check_timeout_s: float = 3.0  # POST /v1/env/check: per env server /health
+    job_policy: JobPolicy = field(init=False, repr=False)  # derived: what jobs may ask for
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
-        self.allowed_interactions = list(self.allowed_interactions)
-        if self.max_queued_steps < 1:
-            raise ValueError(f"max_queued_steps must be >= 1, got {self.max_queued_steps}")
-        if self.event_poll_s <= 0:
-            raise ValueError(f"event_poll_s must be > 0, got {self.event_poll_s}")
+        for name in ("models", "trust_remote_code", "judge_models", "loggers", "allowed_interactions", "env_hosts"):
+            setattr(self, name, list(getattr(self, name)))
+        for name in ("max_queued_steps", "max_running_jobs_per_user", "max_env_shards", "max_body_bytes",
+                     "max_rows_per_step", "max_concurrent_env_checks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_jobs_per_user < 0:
+            raise ValueError(f"max_queued_jobs_per_user must be >= 0, got {self.max_queued_jobs_per_user}")
+        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.config_limits = check_limits(self.config_limits)
+        # Built now so that a bad --model, --allow-env-host or --allow-logger fails at startup.
+        self.job_policy = JobPolicy(
+            models=parse_served_models(self.models, self.trust_remote_code),
+            judge_base_url=self.judge_base_url,
+            judge_models=tuple(self.judge_models),
+            loggers=tuple(self.loggers),
+            limits=dict(self.config_limits),
+            allowed_interactions=tuple(self.allowed_interactions),
+            endpoint_policy=EndpointPolicy.from_strings(self.env_hosts, own_port=self.port),
+            max_env_shards=self.max_env_shards,
+        )
+        unknown_loggers = set(self.loggers) - {"console", "wandb"}
+        if unknown_loggers:
+            raise ValueError(f"unknown loggers {sorted(unknown_loggers)} (known: console, wandb)")
 
     @property
     def db_path(self) -> Path:

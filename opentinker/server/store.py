@@ -5,16 +5,23 @@ polling for events) never wait on the writer. One connection is shared by all th
 behind a lock: every call is a short indexed query, cheap enough to run directly on the
 event loop. A job's heavy state lives in its Ray actor; what is here is what survives a
 restart.
+
+A job's datasets live in their own table (``job_data``), read only when its runner starts:
+reading or listing jobs costs the same whatever their datasets weigh. A job's final status
+event is always its last event: once it is stored, runner events for the job are dropped,
+and a final status set while the runner still drains (a cancel) is published after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +57,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated_at REAL NOT NULL,
     idempotency_key TEXT  -- of the POST /v1/jobs that created it, so a retried create finds it
 );
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS job_data (
+    job_id TEXT PRIMARY KEY REFERENCES jobs(job_id),
+    dataset_json TEXT,
+    val_dataset_json TEXT
+);
 CREATE INDEX IF NOT EXISTS jobs_by_user ON jobs(user_id, created_at);
 CREATE TABLE IF NOT EXISTS events (
     job_id TEXT NOT NULL REFERENCES jobs(job_id),
@@ -80,6 +96,19 @@ CREATE UNIQUE INDEX IF NOT EXISTS steps_by_key ON steps(job_id, idempotency_key)
 """
 
 _UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+_DATA_FIELDS = ("dataset", "val_dataset")
+# Columns added after the first release, with their SQL type (old stores get them at open).
+_ADDED_JOB_COLUMNS = {
+    "idempotency_key": "TEXT",
+    "spec_sha256": "TEXT",  # of the whole JobCreate body, datasets included (idempotent create)
+    "status_reason": "TEXT",  # why the job has its status (e.g. who cancelled it)
+    "status_event_pending": "INTEGER NOT NULL DEFAULT 0",  # final status set, its event not yet stored
+    "final_event_seq": "INTEGER",  # the id of the job's final status event, once stored
+}
+_JOB_COLUMNS = (
+    "job_id, user_id, name, mode, status, spec_json, config_json, step, total_steps, error, created_at, "
+    "updated_at, status_reason, status_event_pending, final_event_seq"
+)
 
 
 @dataclass(frozen=True)
@@ -102,21 +131,24 @@ class ApiKeyInfo:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A row of ``jobs``. ``spec`` is the JobCreate the user sent (as a dict); ``config``
-    the resolved config in dotted keys."""
+    """A row of ``jobs``. ``spec`` is the JobCreate the user sent (as a dict, without its
+    datasets); ``config`` the resolved config in dotted keys."""
 
     job_id: str
     user_id: int
     name: str | None
     mode: str
     status: JobStatus
-    spec: dict[str, Any]
+    spec: dict[str, Any]  # without the datasets (Store.job_data has them)
     config: dict[str, Any]
     step: int
     total_steps: int
     error: str | None
     created_at: float
     updated_at: float
+    status_reason: str | None = None
+    status_event_pending: bool = False
+    final_event_seq: int | None = None
 
     def info(self) -> JobInfo:
         return JobInfo(
@@ -161,12 +193,32 @@ class Store:
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._conn.executescript(_SCHEMA)
             columns = {row["name"] for row in self._conn.execute("PRAGMA table_info(jobs)")}
-            if "idempotency_key" not in columns:  # a store made before the column existed
-                self._conn.execute("ALTER TABLE jobs ADD COLUMN idempotency_key TEXT")
+            for column, sql_type in _ADDED_JOB_COLUMNS.items():
+                if column not in columns:  # a store made before the column existed
+                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {column} {sql_type}")
             self._conn.execute(
                 "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_key ON jobs(user_id, idempotency_key) "
                 "WHERE idempotency_key IS NOT NULL"
             )
+            self._conn.execute("CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs(status, created_at)")
+            self._move_datasets_out_of_specs()
+        self.on_events: Callable[[str], None] | None = None  # called with a job id after its events change
+
+    def _move_datasets_out_of_specs(self) -> None:
+        """Stores made before ``job_data`` kept datasets inside ``spec_json``: move them once."""
+        rows = self._conn.execute("SELECT job_id, spec_json FROM jobs WHERE spec_sha256 IS NULL").fetchall()
+        for row in rows:
+            spec = json.loads(row["spec_json"])
+            data = {name: spec.pop(name, None) for name in _DATA_FIELDS}
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute(
+                "INSERT OR REPLACE INTO job_data (job_id, dataset_json, val_dataset_json) VALUES (?, ?, ?)",
+                (row["job_id"], *(None if data[n] is None else json.dumps(data[n]) for n in _DATA_FIELDS)),
+            )
+            self._conn.execute(
+                "UPDATE jobs SET spec_json = ?, spec_sha256 = '' WHERE job_id = ?", (json.dumps(spec), row["job_id"])
+            )
+            self._conn.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -186,6 +238,14 @@ class Store:
     def _query(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._conn.execute(sql, tuple(params)).fetchall()
+
+    def server_id(self) -> str:
+        """A random id made the first time this store is opened: it names this server's
+        things in places shared with other servers (its Ray namespace)."""
+        with self._transaction() as conn:
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('server_id', ?)", (uuid.uuid4().hex,))
+            (value,) = conn.execute("SELECT value FROM meta WHERE key = 'server_id'").fetchone()
+        return value
 
     # users and keys -------------------------------------------------------------------
 
@@ -257,26 +317,38 @@ class Store:
         config: dict[str, Any],
         total_steps: int,
         idempotency_key: str | None = None,
-    ) -> tuple[JobRecord, bool]:
-        """Insert a queued job and its first status event; returns ``(job, created)``.
+        max_unfinished: int | None = None,
+    ) -> tuple[JobRecord, bool, str | None]:
+        """Insert a queued job and its first status event; returns ``(job, created, spec_sha256)``.
 
-        With an ``idempotency_key`` the user already used, nothing is inserted and the job
-        created then is returned with ``created=False``.
+        ``spec`` is the whole JobCreate body: its datasets go to ``job_data``. With an
+        ``idempotency_key`` the user already used, nothing is inserted and the job created
+        then is returned with ``created=False`` and the hash of the body that created it.
+        With ``max_unfinished``, raises :class:`QuotaExceeded` when the user already has that
+        many queued or running jobs (checked in the same transaction as the insert).
         """
         now = time.time()
+        spec = dict(spec)
+        data = {name: spec.pop(name, None) for name in _DATA_FIELDS}
+        digest = spec_digest({**spec, **data})
         with self._transaction() as conn:
             if idempotency_key is not None:
                 row = conn.execute(
-                    "SELECT job_id FROM jobs WHERE user_id = ? AND idempotency_key = ?", (user.id, idempotency_key)
+                    "SELECT job_id, spec_sha256 FROM jobs WHERE user_id = ? AND idempotency_key = ?",
+                    (user.id, idempotency_key),
                 ).fetchone()
                 if row is not None:
                     earlier = self.get_job(row["job_id"])
                     assert earlier is not None
-                    return earlier, False
+                    return earlier, False, row["spec_sha256"]
+            if max_unfinished is not None:
+                unfinished = self._count_unfinished(conn, user.id)
+                if unfinished >= max_unfinished:
+                    raise QuotaExceeded(unfinished, max_unfinished)
             conn.execute(
                 "INSERT INTO jobs (job_id, user_id, name, mode, status, spec_json, config_json, step, "
-                "total_steps, error, created_at, updated_at, idempotency_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, NULL, ?, ?, ?)",
+                "total_steps, error, created_at, updated_at, idempotency_key, spec_sha256) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, NULL, ?, ?, ?, ?)",
                 (
                     job_id,
                     user.id,
@@ -289,16 +361,50 @@ class Store:
                     now,
                     now,
                     idempotency_key,
+                    digest,
                 ),
             )
+            conn.execute(
+                "INSERT INTO job_data (job_id, dataset_json, val_dataset_json) VALUES (?, ?, ?)",
+                (job_id, *(None if data[n] is None else json.dumps(data[n]) for n in _DATA_FIELDS)),
+            )
             self._append_event(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
+        self._notify(job_id)
         job = self.get_job(job_id)
         assert job is not None
-        return job, True
+        return job, True, digest
+
+    @staticmethod
+    def _count_unfinished(conn: sqlite3.Connection, user_id: int) -> int:
+        (count,) = conn.execute(
+            f"SELECT COUNT(*) FROM jobs WHERE user_id = ? AND status IN ({','.join('?' * len(_UNFINISHED))})",
+            (user_id, *_UNFINISHED),
+        ).fetchone()
+        return int(count)
+
+    def job_data(self, job_id: str) -> dict[str, Any]:
+        """The job's datasets: ``{"dataset": rows | None, "val_dataset": rows | None}``."""
+        rows = self._query("SELECT dataset_json, val_dataset_json FROM job_data WHERE job_id = ?", (job_id,))
+        if not rows:
+            return dict.fromkeys(_DATA_FIELDS)
+        return {
+            name: None if rows[0][column] is None else json.loads(rows[0][column])
+            for name, column in zip(_DATA_FIELDS, ("dataset_json", "val_dataset_json"))
+        }
+
+    def unfinished_jobs(self, status: JobStatus | None = None) -> list[JobRecord]:
+        """Queued and running jobs (or those of one status), oldest first."""
+        statuses = (status.value,) if status is not None else _UNFINISHED
+        rows = self._query(
+            f"SELECT {_JOB_COLUMNS} FROM jobs WHERE status IN ({','.join('?' * len(statuses))}) "
+            "ORDER BY created_at, job_id",
+            statuses,
+        )
+        return [_job(r) for r in rows]
 
     def get_job(self, job_id: str, user: User | None = None) -> JobRecord | None:
         """The job, or None when it does not exist or (with ``user``) belongs to someone else."""
-        sql, params = "SELECT * FROM jobs WHERE job_id = ?", [job_id]
+        sql, params = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE job_id = ?", [job_id]
         if user is not None:
             sql += " AND user_id = ?"
             params.append(user.id)
@@ -308,9 +414,11 @@ class Store:
     def list_jobs(self, user: User | None = None) -> list[JobRecord]:
         """Newest first."""
         if user is None:
-            rows = self._query("SELECT * FROM jobs ORDER BY created_at DESC, job_id")
+            rows = self._query(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY created_at DESC, job_id")
         else:
-            rows = self._query("SELECT * FROM jobs WHERE user_id = ? ORDER BY created_at DESC, job_id", (user.id,))
+            rows = self._query(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE user_id = ? ORDER BY created_at DESC, job_id", (user.id,)
+            )
         return [_job(r) for r in rows]
 
     def set_status(
@@ -322,12 +430,17 @@ class Store:
         reason: str | None = None,
         step: int | None = None,
         unless_finished: bool = True,
+        publish: bool = True,
     ) -> bool:
         """Move the job to ``status`` and append its status event, in one transaction.
 
         With ``unless_finished`` (the default) a job that already has a final status is
         left alone and False is returned: the first final status wins (a cancel that
         arrives while the run is ending, a runner result after a cancel).
+
+        ``publish=False`` (a final status whose runner still drains its last events) stores
+        the status now and its event later, with :meth:`publish_status`, so that the final
+        status event stays the job's last event.
         """
         now = time.time()
         with self._transaction() as conn:
@@ -338,33 +451,63 @@ class Store:
                 return False
             new_step = row["step"] if step is None else max(int(step), row["step"])
             conn.execute(
-                "UPDATE jobs SET status = ?, error = COALESCE(?, error), step = ?, updated_at = ? WHERE job_id = ?",
-                (status.value, error, new_step, now, job_id),
+                "UPDATE jobs SET status = ?, error = COALESCE(?, error), step = ?, updated_at = ?, "
+                "status_reason = ?, status_event_pending = ? WHERE job_id = ?",
+                (status.value, error, new_step, now, reason or error, int(not publish), job_id),
             )
-            data: dict[str, Any] = {"status": status.value}
-            if reason or error:
-                data["reason"] = reason or error
-            self._append_event(conn, job_id, "status", data, now)
+            if publish:
+                self._append_status_event(conn, job_id, status, reason or error, now)
+        if publish:
+            self._notify(job_id)
         return True
 
-    def mark_unfinished_interrupted(self, reason: str) -> list[str]:
-        """Every queued or running job becomes ``interrupted`` with ``reason`` as its error
-        (used at startup: their Ray actors died with the previous server process)."""
+    def publish_status(self, job_id: str) -> bool:
+        """Store the status event that ``set_status(publish=False)`` held back; False if none was."""
         now = time.time()
+        with self._transaction() as conn:
+            row = conn.execute(
+                "SELECT status, status_reason, status_event_pending FROM jobs WHERE job_id = ?", (job_id,)
+            ).fetchone()
+            if row is None or not row["status_event_pending"]:
+                return False
+            conn.execute("UPDATE jobs SET status_event_pending = 0 WHERE job_id = ?", (job_id,))
+            self._append_status_event(conn, job_id, JobStatus(row["status"]), row["status_reason"], now)
+        self._notify(job_id)
+        return True
+
+    def _append_status_event(
+        self, conn: sqlite3.Connection, job_id: str, status: JobStatus, reason: str | None, now: float
+    ) -> None:
+        data: dict[str, Any] = {"status": status.value}
+        if reason:
+            data["reason"] = reason
+        seq = self._append_event(conn, job_id, "status", data, now)
+        if status.finished:
+            conn.execute("UPDATE jobs SET final_event_seq = ? WHERE job_id = ?", (seq, job_id))
+
+    def mark_unfinished_interrupted(self, reason: str, keep_queued: bool = False) -> list[str]:
+        """Every running job (and queued one, unless ``keep_queued``) becomes ``interrupted``
+        with ``reason`` as its error, and held-back final status events are published (used
+        at startup: the previous server process died with the jobs' Ray actors)."""
+        now = time.time()
+        statuses = (JobStatus.RUNNING.value,) if keep_queued else _UNFINISHED
         with self._transaction() as conn:
             ids = [
                 r["job_id"]
                 for r in conn.execute(
-                    f"SELECT job_id FROM jobs WHERE status IN ({','.join('?' * len(_UNFINISHED))}) ORDER BY created_at",
-                    _UNFINISHED,
+                    f"SELECT job_id FROM jobs WHERE status IN ({','.join('?' * len(statuses))}) ORDER BY created_at",
+                    statuses,
                 )
             ]
             for job_id in ids:
                 conn.execute(
-                    "UPDATE jobs SET status = ?, error = ?, updated_at = ? WHERE job_id = ?",
-                    (JobStatus.INTERRUPTED.value, reason, now, job_id),
+                    "UPDATE jobs SET status = ?, error = ?, status_reason = ?, updated_at = ? WHERE job_id = ?",
+                    (JobStatus.INTERRUPTED.value, reason, reason, now, job_id),
                 )
-                self._append_event(conn, job_id, "status", {"status": JobStatus.INTERRUPTED.value, "reason": reason}, now)
+                self._append_status_event(conn, job_id, JobStatus.INTERRUPTED, reason, now)
+            pending = [r["job_id"] for r in conn.execute("SELECT job_id FROM jobs WHERE status_event_pending = 1")]
+        for job_id in pending:
+            self.publish_status(job_id)
         return ids
 
     # events --------------------------------------------------------------------------
@@ -379,9 +522,11 @@ class Store:
         )
         return seq
 
-    def append_event(self, job_id: str, type_: str, data: dict[str, Any]) -> int:
-        """Store one event; returns its id (the job's next sequence number)."""
-        return self.append_runner_events(job_id, [{"type": type_, "data": data}])[-1]
+    def append_event(self, job_id: str, type_: str, data: dict[str, Any]) -> int | None:
+        """Store one event; returns its id (the job's next sequence number), or None when the
+        job has ended (its final status event stays last)."""
+        seqs = self.append_runner_events(job_id, [{"type": type_, "data": data}])
+        return seqs[-1] if seqs else None
 
     def append_runner_events(self, job_id: str, events: list[dict[str, Any]]) -> list[int]:
         """Store events drained from a runner, in one transaction, with their side effects:
@@ -391,6 +536,9 @@ class Store:
         now = time.time()
         seqs: list[int] = []
         with self._transaction() as conn:
+            row = conn.execute("SELECT final_event_seq FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None or row["final_event_seq"] is not None:
+                return []  # the final status event stays the last event of a job
             for event in events:
                 type_, data = event["type"], dict(event.get("data") or {})
                 step = data.get("step")
@@ -407,7 +555,13 @@ class Store:
                             (job_id, data["name"], int(data.get("step") or 0), str(path), now),
                         )
                 seqs.append(self._append_event(conn, job_id, type_, data, now))
+        if seqs:
+            self._notify(job_id)
         return seqs
+
+    def _notify(self, job_id: str) -> None:
+        if self.on_events is not None:
+            self.on_events(job_id)
 
     def list_events(self, job_id: str, after: int = 0, limit: int | None = None) -> list[Event]:
         sql = "SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq"
@@ -421,14 +575,9 @@ class Store:
         ]
 
     def final_status_event_id(self, job_id: str) -> int | None:
-        """The id of the job's last status event that carries a final status, if any."""
-        finished = [s.value for s in JobStatus if s.finished]
-        rows = self._query(
-            "SELECT MAX(seq) AS seq FROM events WHERE job_id = ? AND type = 'status' "
-            f"AND json_extract(data_json, '$.status') IN ({','.join('?' * len(finished))})",
-            [job_id, *finished],
-        )
-        return rows[0]["seq"] if rows and rows[0]["seq"] is not None else None
+        """The id of the job's final status event, once it is stored."""
+        rows = self._query("SELECT final_event_seq FROM jobs WHERE job_id = ?", (job_id,))
+        return rows[0]["final_event_seq"] if rows else None
 
     # checkpoints ---------------------------------------------------------------------
 
@@ -465,6 +614,20 @@ class Store:
             )
 
 
+class QuotaExceeded(Exception):
+    """The user already has ``count`` unfinished jobs, the most allowed (``limit``)."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"{count} unfinished jobs (limit {limit})")
+        self.count = count
+        self.limit = limit
+
+
+def spec_digest(spec: dict[str, Any]) -> str:
+    """A stable hash of a job's whole request body (to tell a retried create from a new one)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
 def _job(row: sqlite3.Row) -> JobRecord:
     return JobRecord(
         job_id=row["job_id"],
@@ -479,4 +642,7 @@ def _job(row: sqlite3.Row) -> JobRecord:
         error=row["error"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        status_reason=row["status_reason"],
+        status_event_pending=bool(row["status_event_pending"]),
+        final_event_seq=row["final_event_seq"],
     )

@@ -1,49 +1,143 @@
-"""Light checks of dataset rows, done before anything reaches a runner.
+"""Checks of dataset rows, done before anything reaches a runner.
+
+A row the job could not train on is refused at the edge (422 naming ``field[i]``): once a
+batch is accepted (201 for a dataset, 202 for a pushed step) no row of it may fail the job.
 
 A row either carries its prompt (``prompt``: a non-empty list of ``{"role", "content"}``
-chat messages, verl's format) or is data-free and names its environment through
-``extra_info.interaction_kwargs`` (the environment supplies the first observation).
-Everything else in a row (``reward_model``, ``data_source``, ...) is the runner's business.
+chat messages, verl's format) or, in a job with interactions, is data-free and names its
+environment through ``extra_info.interaction_kwargs`` (the environment supplies the first
+observation). Then:
+
+- without interactions the job's built-in task scores the row, so the task's own row check
+  applies (arithmetic: ``reward_model.ground_truth`` is an integer);
+- with interactions the row must pick one of the job's interactions (by
+  ``extra_info.interaction_kwargs.name``, or implicitly when the job has exactly one) and
+  pass that interaction class's ``row_problem`` check, if it has one;
+- the prompt, rendered with the served model's chat template, must fit
+  ``data.max_prompt_length`` tokens (checked with the model's tokenizer, off the event loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from opentinker.environments import arithmetic
+from opentinker.server.policy import JobPolicy
 
-def row_problem(row: Any) -> str | None:
-    """What is wrong with one row, or None."""
-    if not isinstance(row, Mapping):
-        return f"must be an object, got {type(row).__name__}"
-    prompt = row.get("prompt")
-    extra_info = row.get("extra_info")
-    has_kwargs = isinstance(extra_info, Mapping) and isinstance(extra_info.get("interaction_kwargs"), Mapping)
-    if prompt is None:
-        if has_kwargs:
-            return None
-        return "needs a 'prompt' (a list of chat messages) or 'extra_info.interaction_kwargs' (a data-free row)"
+ROLES = ("system", "user", "assistant", "tool")
+
+#: Row checks of the built-in tasks (``data.task``), which score rows when a job has no interactions.
+TASK_ROW_CHECKS: dict[str, Callable[[dict], str | None]] = {"arithmetic": arithmetic.row_problem}
+
+
+@dataclass
+class RowRules:
+    """What one job's rows must satisfy."""
+
+    max_prompt_length: int
+    task: str | None = None  # the built-in task scoring rows when there are no interactions
+    interactions: Mapping[str, type] = field(default_factory=dict)  # name -> Interaction class
+    tokenizer: Any = None  # renders prompts to count their tokens; None: lengths not checked
+
+
+def _prompt_problem(prompt: Any) -> str | None:
     if not isinstance(prompt, list) or not prompt:
         return f"'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}"
     for i, message in enumerate(prompt):
-        if not (
-            isinstance(message, Mapping)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
+        if not (isinstance(message, Mapping) and isinstance(message.get("content"), str)):
             return f"'prompt[{i}]' must be a message object with string 'role' and 'content'"
-    if extra_info is not None and not isinstance(extra_info, Mapping):
-        return f"'extra_info' must be an object, got {type(extra_info).__name__}"
+        if message.get("role") not in ROLES:
+            return f"'prompt[{i}].role' must be one of {', '.join(ROLES)}, got {message.get('role')!r}"
     return None
 
 
-def rows_problems(rows: Sequence[Any], field: str, limit: int = 5) -> list[str]:
-    """Up to ``limit`` problems, each naming its row as ``field[i]``."""
+def _interaction_problem(row: Mapping[str, Any], rules: RowRules) -> str | None:
+    kwargs = row["extra_info"].get("interaction_kwargs") if isinstance(row.get("extra_info"), Mapping) else None
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        return f"'extra_info.interaction_kwargs' must be an object, got {type(kwargs).__name__}"
+    name = kwargs.get("name")
+    if name is None:
+        if len(rules.interactions) != 1:
+            return (f"names no interaction (extra_info.interaction_kwargs.name) and the job has "
+                    f"{len(rules.interactions)}: {', '.join(sorted(rules.interactions))}")
+        name = next(iter(rules.interactions))
+    elif name not in rules.interactions:
+        return f"'extra_info.interaction_kwargs.name' {name!r} is not one of the job's interactions: " \
+               f"{', '.join(sorted(rules.interactions))}"
+    check = getattr(rules.interactions[name], "row_problem", None)
+    problem = check({k: v for k, v in kwargs.items() if k != "name"}) if callable(check) else None
+    return f"interaction {name!r}: {problem}" if problem else None
+
+
+def row_problem(row: Any, rules: RowRules) -> str | None:
+    """What is wrong with one row (without counting tokens), or None."""
+    if not isinstance(row, Mapping):
+        return f"must be an object, got {type(row).__name__}"
+    extra_info = row.get("extra_info")
+    if extra_info is not None and not isinstance(extra_info, Mapping):
+        return f"'extra_info' must be an object, got {type(extra_info).__name__}"
+    prompt = row.get("prompt")
+    if prompt is None:
+        has_kwargs = isinstance(extra_info, Mapping) and isinstance(extra_info.get("interaction_kwargs"), Mapping)
+        if not rules.interactions or not has_kwargs:
+            return ("needs a 'prompt' (a list of chat messages)" if not rules.interactions else
+                    "needs a 'prompt' (a list of chat messages) or 'extra_info.interaction_kwargs' (a data-free row)")
+    else:
+        problem = _prompt_problem(prompt)
+        if problem:
+            return problem
+    if rules.interactions:
+        return _interaction_problem(row, rules)
+    check = TASK_ROW_CHECKS.get(rules.task or "")
+    return check(dict(row)) if check is not None else None
+
+
+def _length_problem(row: Mapping[str, Any], rules: RowRules) -> str | None:
+    from opentinker.engine.data import chat_prompt_ids
+
+    try:
+        count = len(chat_prompt_ids(rules.tokenizer, row["prompt"]))
+    except Exception as exc:  # the template refused the messages (e.g. roles out of order)
+        return f"'prompt' cannot be rendered with the model's chat template: {type(exc).__name__}: {exc}"
+    if count > rules.max_prompt_length:
+        return f"prompt has {count} tokens, more than data.max_prompt_length={rules.max_prompt_length}"
+    return None
+
+
+def rows_problems(rows: Sequence[Any], field: str, rules: RowRules, limit: int = 5) -> list[str]:
+    """Up to ``limit`` problems, each naming its row as ``field[i]``. Counts prompt tokens when
+    ``rules.tokenizer`` is set (slow for large datasets: call it from a worker thread)."""
     problems = []
     for i, row in enumerate(rows):
-        problem = row_problem(row)
+        problem = row_problem(row, rules)
+        if problem is None and rules.tokenizer is not None and isinstance(row.get("prompt"), list):
+            problem = _length_problem(row, rules)
         if problem is not None:
             problems.append(f"{field}[{i}]: {problem}")
             if len(problems) >= limit:
                 break
     return problems
+
+
+class Tokenizers:
+    """The tokenizer of each served model, loaded on first use (in a worker thread: it is slow)."""
+
+    def __init__(self, policy: JobPolicy):
+        self.policy = policy
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model_name: str | None) -> Any:
+        model = self.policy.served_model(model_name)
+        with self._lock:
+            if model.name not in self._loaded:
+                from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
+
+                path = resolve_model_path(model.path)  # None: the embedded tiny model
+                self._loaded[model.name] = load_tokenizer(path, model.trust_remote_code)
+            return self._loaded[model.name]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import socket
 import sys
@@ -42,12 +43,13 @@ from opentinker.server.store import Store  # noqa: E402
 class StandInRunner:
     """A JobRunner look-alike whose steps are sleeps (see the module docstring)."""
 
-    def __init__(self, job_id: str, spec: dict, job_dir: str, allowed_interactions: list, default_model: Any):
+    def __init__(self, job_id: str, spec: dict, job_dir: str, policy: Any):
         name = spec.get("name") or ""
         if "bad-init" in name:
             raise ValueError("the stand-in runner refused to start")
         self.job_id = job_id
         self.mode = spec.get("mode", "server")
+        self.dataset_rows = len(spec.get("dataset") or [])
         self.job_dir = Path(job_dir)
         self.total_steps = int((spec.get("config") or {}).get("trainer.total_training_steps", 3))
         self.step_s = 0.5 if "slow" in name else 0.1 if "medium" in name else 0.02
@@ -90,7 +92,7 @@ class StandInRunner:
 
     def run(self) -> dict:
         step = 0
-        self._emit("log", {"message": f"stand-in runner of {self.job_id} starts"})
+        self._emit("log", {"message": f"stand-in runner of {self.job_id} starts", "dataset_rows": self.dataset_rows})
         while step < self.total_steps:
             if self._cancel.is_set():
                 return {"status": "cancelled", "error": None, "step": step}
@@ -136,12 +138,13 @@ class LiveServer:
     """``create_app`` served by uvicorn in a thread on a free 127.0.0.1 port."""
 
     def __init__(self, settings: ServerSettings, runner_cls: type | None = StandInRunner):
-        self.settings = settings
-        self.app = create_app(settings, runner_cls=runner_cls)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.settings = dataclasses.replace(settings, port=port)  # the port it really serves on
+        self.app = create_app(self.settings, runner_cls=runner_cls)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: self.server.run(sockets=[self.sock]), daemon=True)
@@ -180,6 +183,9 @@ def test_settings(data_dir: Path, **overrides: Any) -> ServerSettings:
         cancel_grace_s=5.0,
         endpoint_check_timeout_s=2.0,
         runner_call_timeout_s=1.0,
+        env_hosts=["127.0.0.1"],  # the tests' env servers run on loopback
+        max_running_jobs_per_user=100,  # the quota tests set their own
+        max_queued_jobs_per_user=100,
     )
     values.update(overrides)
     return ServerSettings(**values)

@@ -9,11 +9,12 @@ from opentinker.environments.server import running_app_servers
 JOB = "0123456789abcdef0123456789abcdef"
 ROUTES = [
     ("GET", "/v1/version", None),
+    ("GET", "/v1/models", None),
     ("GET", "/v1/jobs", None),
     ("POST", "/v1/jobs", {"config": {}}),
     ("GET", f"/v1/jobs/{JOB}", None),
     ("POST", f"/v1/jobs/{JOB}/cancel", None),
-    ("POST", f"/v1/jobs/{JOB}/steps", {"step": 1, "rows": [{"prompt": [{"role": "user", "content": "hi"}]}]}),
+    ("POST", f"/v1/jobs/{JOB}/steps", {"step": 1, "rows": [{"prompt": [{"role": "user", "content": "hi"}]}]}),  # noqa: E501
     ("GET", f"/v1/jobs/{JOB}/events", None),
     ("GET", f"/v1/jobs/{JOB}/checkpoints", None),
     ("POST", f"/v1/jobs/{JOB}/checkpoints", None),
@@ -58,7 +59,7 @@ def test_health_needs_no_key_and_version_names_the_user(server, alice):
 
 def test_users_cannot_touch_each_others_jobs(alice, bob, helpers):
     job_id = helpers.create_job(alice, "hold isolation", mode="client", steps=5)
-    row = {"prompt": [{"role": "user", "content": "hi"}]}
+    row = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}
     attempts = [
         bob.get(f"/v1/jobs/{job_id}"),
         bob.post(f"/v1/jobs/{job_id}/cancel"),
@@ -75,7 +76,7 @@ def test_users_cannot_touch_each_others_jobs(alice, bob, helpers):
     assert bob.get(f"/v1/jobs/{'f' * 32}").json()["error"] == f"job {'f' * 32!r} not found"
     assert job_id not in [j["job_id"] for j in bob.get("/v1/jobs").json()["jobs"]]
     assert job_id in [j["job_id"] for j in alice.get("/v1/jobs").json()["jobs"]]
-    assert helpers.job_status(alice, job_id) == "running"
+    helpers.wait_status(alice, job_id, "running")  # bob's attempts did not touch it
     assert alice.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
 
 
@@ -87,7 +88,7 @@ def test_users_cannot_touch_each_others_jobs(alice, bob, helpers):
         ({"config": {"data.train_batch_size": "many"}}, 422, "data.train_batch_size"),
         ({"config": {"trainer.default_local_dir": "/etc"}}, 422, "trainer.default_local_dir"),
         ({"config": {"data.task": "chess"}}, 422, "data.task"),
-        ({"config": {"data.task": None}}, 422, "dataset"),
+        ({"config": {"data.task": None}}, 422, "data.task"),
         ({"mode": "bogus"}, 422, "body.mode"),
         ({"config": [1, 2]}, 422, "body.config"),
         ({"surprise": 1}, 422, "body.surprise"),

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from opentinker.protocol import Event, JobInfo
-from opentinker.server.jobs import RAY_NAMESPACE, actor_name
+from opentinker.server.jobs import actor_name
 
 
 def test_server_job_streams_events_to_completion(server, alice, helpers):
@@ -64,7 +64,7 @@ def test_checkpoint_list_and_download(server, alice, helpers):
 
     assert alice.get(f"/v1/jobs/{job_id}/checkpoints/global_step_9/download").status_code == 404
     bad = alice.get(f"/v1/jobs/{job_id}/checkpoints/..global/download")
-    assert bad.status_code == 422 and "not valid" in bad.json()["error"]
+    assert bad.status_code == 422 and "path.name" in bad.json()["error"]
     traversal = alice.get(f"/v1/jobs/{job_id}/checkpoints/..%2F..%2F..%2Fopentinker.db/download")
     assert traversal.status_code in (404, 422)
     assert alice.post(f"/v1/jobs/{job_id}/checkpoints").status_code == 409  # finished
@@ -98,7 +98,7 @@ def test_resume_with_last_event_id_loses_and_repeats_nothing(alice, helpers):
 def test_cancel_marks_cancelled_and_frees_the_actor(server, alice, helpers):
     job_id = helpers.create_job(alice, "slow cancel", steps=1000)
     helpers.wait_for(lambda: any(e["type"] == "progress" for e in helpers.all_events(alice, job_id)), 30, "a step")
-    assert ray.get_actor(actor_name(job_id), namespace=RAY_NAMESPACE) is not None
+    assert ray.get_actor(actor_name(job_id), namespace=server.manager.namespace) is not None
 
     # A checkpoint asked for mid-run is saved at the end of the current step.
     assert alice.post(f"/v1/jobs/{job_id}/checkpoints").status_code == 202
@@ -114,7 +114,7 @@ def test_cancel_marks_cancelled_and_frees_the_actor(server, alice, helpers):
 
     def actor_gone():
         try:
-            ray.get_actor(actor_name(job_id), namespace=RAY_NAMESPACE)
+            ray.get_actor(actor_name(job_id), namespace=server.manager.namespace)
         except ValueError:
             return True
         return False
@@ -154,7 +154,9 @@ def test_client_mode_steps_are_idempotent_ordered_and_bounded(server, alice, hel
     assert helpers.job_status(alice, job_id) == "running"  # none of that hurt the job
 
     data_free = {"extra_info": {"interaction_kwargs": {"name": "game", "seed": 3}}}
-    second = alice.post(url, json={"step": 2, "rows": [data_free]})
+    no_env = alice.post(url, json={"step": 2, "rows": [data_free]})  # the job has no interactions
+    assert no_env.status_code == 422 and "rows[0]: needs a 'prompt'" in no_env.json()["error"]
+    second = alice.post(url, json={"step": 2, "rows": [row]})
     assert second.status_code == 202 and second.json()["queued"] == 2
     full = alice.post(url, json={"step": 3, "rows": [row]})
     assert full.status_code == 429
@@ -174,7 +176,7 @@ def test_client_mode_steps_are_idempotent_ordered_and_bounded(server, alice, hel
 
 def test_client_mode_job_trains_pushed_steps(alice, helpers):
     job_id = helpers.create_job(alice, "client quick", mode="client", steps=2)
-    row = {"prompt": [{"role": "user", "content": "2+2="}]}
+    row = {"prompt": [{"role": "user", "content": "2+2="}], "reward_model": {"ground_truth": "4"}}
     for step in (1, 2):
         response = alice.post(f"/v1/jobs/{job_id}/steps", json={"step": step, "rows": [row]})
         assert response.status_code in (202, 429), response.text
@@ -215,7 +217,7 @@ def test_a_job_ray_cannot_place_stays_queued_and_cancels_at_once(server, alice, 
     job_id = helpers.create_job(alice, "hold needs-gpu", mode="client", steps=3)
     time.sleep(0.5)
     assert helpers.job_status(alice, job_id) == "queued"
-    row = {"prompt": [{"role": "user", "content": "hi"}]}
+    row = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}
     busy = alice.post(f"/v1/jobs/{job_id}/steps", json={"step": 1, "rows": [row]})
     assert busy.status_code == 503 and "Retry-After" in busy.headers, busy.text
     assert alice.post(f"/v1/jobs/{job_id}/checkpoints").status_code == 503

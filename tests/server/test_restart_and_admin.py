@@ -13,7 +13,7 @@ import httpx
 import ray
 
 from opentinker.server import auth
-from opentinker.server.jobs import RAY_NAMESPACE, actor_name
+from opentinker.server.jobs import actor_name
 from opentinker.server.store import Store
 
 
@@ -29,7 +29,7 @@ def test_restart_keeps_finished_jobs_and_interrupts_running_ones(start_server, t
         done_checkpoints = client.get(f"/v1/jobs/{done}/checkpoints").json()
     first.stop()  # its lifespan kills the actors, as a crash of the process would
     try:
-        ray.get_actor(actor_name(running), namespace=RAY_NAMESPACE)
+        ray.get_actor(actor_name(running), namespace=first.manager.namespace)
         raise AssertionError("the running job's actor outlived its server")
     except ValueError:
         pass

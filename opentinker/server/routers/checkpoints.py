@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+from pathlib import Path as FilePath
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path
 from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError, RayTaskError
 
-from opentinker.protocol import CheckpointList
+from opentinker.protocol import CHECKPOINT_NAME_PATTERN, CheckpointList
 from opentinker.server.archive import iter_tar_gz
 from opentinker.server.auth import current_user
 from opentinker.server.deps import get_manager, get_settings, get_store, owned_job
-from opentinker.server.errors import ApiError, not_found
+from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses, not_found
 from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
 
-router = APIRouter(prefix="/jobs", tags=["checkpoints"], dependencies=[Depends(current_user)])
-
-# Checkpoint names are folder names such as "global_step_20": no separators, no "..".
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+router = APIRouter(
+    prefix="/jobs", tags=["checkpoints"], dependencies=[Depends(current_user)],
+    responses={**AUTHENTICATED_ERRORS, **error_responses(404)},
+)
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList, summary="The job's saved checkpoints")
@@ -30,7 +29,10 @@ async def list_checkpoints(job: JobRecord = Depends(owned_job), store: Store = D
     return CheckpointList(checkpoints=[c.info() for c in store.list_checkpoints(job.job_id)])
 
 
-@router.post("/{job_id}/checkpoints", status_code=202, summary="Save a checkpoint at the end of the current step")
+@router.post(
+    "/{job_id}/checkpoints", status_code=202, summary="Save a checkpoint at the end of the current step",
+    responses=error_responses(409, 503),
+)
 async def request_checkpoint(
     job: JobRecord = Depends(owned_job), manager: JobManager = Depends(get_manager)
 ) -> dict[str, Any]:
@@ -58,17 +60,17 @@ async def request_checkpoint(
     responses={200: {"content": {"application/gzip": {}}}},
 )
 async def download_checkpoint(
-    name: str,
+    name: str = Path(description="a checkpoint name from the job's list", pattern=CHECKPOINT_NAME_PATTERN),
     job: JobRecord = Depends(owned_job),
     store: Store = Depends(get_store),
     settings: ServerSettings = Depends(get_settings),
 ) -> StreamingResponse:
-    if not _NAME.fullmatch(name) or ".." in name:
+    if ".." in name:  # the pattern already excludes separators
         raise ApiError(422, f"checkpoint name {name!r} is not valid (letters, digits, '_', '.', '-')")
     record = store.get_checkpoint(job.job_id, name)
     if record is None:
         raise not_found(f"checkpoint {name!r} of job {job.job_id}")
-    folder = Path(record.path).resolve()
+    folder = FilePath(record.path).resolve()
     job_dir = settings.job_dir(job.job_id).resolve()
     # Only the job's own folder is ever served, whatever path a runner reported.
     if not folder.is_relative_to(job_dir) or not folder.is_dir():

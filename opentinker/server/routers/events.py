@@ -2,27 +2,31 @@
 
 Each event is ``id: <seq>``, ``event: <type>``, ``data: <Event JSON>``. A stream starts
 after ``Last-Event-ID`` (what a reconnecting SSE client sends) or ``?after=N``, sends what
-is stored, then polls the store for new events, and ends once the job's final status
-event has been sent, so ``for event in stream`` terminates by itself.
+is stored, then waits for the store to announce new events (``EventBus``; no polling), and
+ends once the job's final status event has been sent, so ``for event in stream``
+terminates by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from opentinker.protocol import Event
+from opentinker.protocol import MAX_INT, Event
 from opentinker.server.auth import current_user
 from opentinker.server.deps import get_settings, get_store, owned_job
-from opentinker.server.errors import ApiError
+from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
+from opentinker.server.event_bus import EventBus
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
 
-router = APIRouter(prefix="/jobs", tags=["events"], dependencies=[Depends(current_user)])
+router = APIRouter(
+    prefix="/jobs", tags=["events"], dependencies=[Depends(current_user)],
+    responses={**AUTHENTICATED_ERRORS, **error_responses(404)},
+)
 
 PAGE = 500
 
@@ -31,30 +35,29 @@ def format_sse(event: Event) -> str:
     return f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
 
 
-async def event_stream(store: Store, job_id: str, after: int, poll_s: float, keepalive_s: float) -> AsyncIterator[str]:
+async def event_stream(store: Store, bus: EventBus, job_id: str, after: int, keepalive_s: float) -> AsyncIterator[str]:
     cursor = after
-    last_write = time.monotonic()
     while True:
-        # Read the status before the events: a final status and its event are stored in one
-        # transaction, so if the job is finished here, its final event is in what follows.
-        job = store.get_job(job_id)
-        if job is None:
-            return
-        final_id = store.final_status_event_id(job_id) if job.status.finished else None
-        events = store.list_events(job_id, after=cursor, limit=PAGE)
-        for event in events:
-            yield format_sse(event)
-            cursor = event.id
-        if events:
-            last_write = time.monotonic()
+        wake = bus.waiter(job_id)  # before reading: an event stored meanwhile still wakes us
+        try:
+            # Read the job before the events: its final status event is stored in the same
+            # transaction as the final status, so if it is known here, it is in what follows.
+            job = store.get_job(job_id)
+            if job is None:
+                return
+            events = store.list_events(job_id, after=cursor, limit=PAGE)
+            for event in events:
+                yield format_sse(event)
+                cursor = event.id
             if len(events) == PAGE:
                 continue
-        if job.status.finished and (final_id is None or cursor >= final_id):
-            return
-        if time.monotonic() - last_write >= keepalive_s:
-            yield ": keep-alive\n\n"
-            last_write = time.monotonic()
-        await asyncio.sleep(poll_s)
+            if job.final_event_seq is not None and cursor >= job.final_event_seq:
+                return
+            await asyncio.wait({wake}, timeout=keepalive_s)
+            if not wake.done():
+                yield ": keep-alive\n\n"
+        finally:
+            wake.cancel()
 
 
 @router.get(
@@ -63,11 +66,15 @@ async def event_stream(store: Store, job_id: str, after: int, poll_s: float, kee
     responses={200: {"content": {"text/event-stream": {}, "application/json": {}}}},
 )
 async def job_events(
+    request: Request,
     job: JobRecord = Depends(owned_job),
-    after: int = Query(0, ge=0, description="send events with id > after"),
+    after: int = Query(0, ge=0, le=MAX_INT, description="send events with id > after"),
     stream: bool = Query(True, description="false: one JSON answer {events: [...]}"),
     limit: int | None = Query(None, ge=1, le=100_000, description="stream=false only: at most this many"),
-    last_event_id: str | None = Header(None, alias="Last-Event-ID"),
+    last_event_id: str | None = Header(
+        None, alias="Last-Event-ID", max_length=32, pattern=r"^[0-9]*$",
+        description="what a reconnecting SSE client sends: resume after this event id",
+    ),
     store: Store = Depends(get_store),
     settings: ServerSettings = Depends(get_settings),
 ):
@@ -76,13 +83,13 @@ async def job_events(
             after = int(last_event_id)
         except ValueError:
             raise ApiError(422, f"header Last-Event-ID: must be an event id (an integer), got {last_event_id!r}") from None
-        if after < 0:
-            raise ApiError(422, "header Last-Event-ID: must be >= 0")
+        if not 0 <= after <= MAX_INT:
+            raise ApiError(422, f"header Last-Event-ID: must be an event id from 0 to {MAX_INT}")
     if not stream:
         events = store.list_events(job.job_id, after=after, limit=limit)
         return JSONResponse({"events": [event.model_dump(mode="json") for event in events]})
     return StreamingResponse(
-        event_stream(store, job.job_id, after, settings.event_poll_s, settings.keepalive_s),
+        event_stream(store, request.app.state.event_bus, job.job_id, after, settings.keepalive_s),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

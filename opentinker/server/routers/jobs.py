@@ -1,58 +1,80 @@
-"""``/v1/jobs``: create (validated up front), list, get, cancel."""
+"""``/v1/jobs``: create (validated up front, within the user's quota), list, get, cancel."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
 from collections import Counter
+from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 
-from opentinker.config import ConfigError, make_config, to_dotted
+from opentinker.config import ConfigError, to_dotted
 from opentinker.environments.registry import InteractionRegistry, UnknownInteractionError
 from opentinker.protocol import JobCreate, JobCreated, JobInfo, JobList
 from opentinker.server.auth import current_user
-from opentinker.server.deps import get_manager, get_registry, get_store, owned_job
-from opentinker.server.errors import ApiError
+from opentinker.server.deps import get_manager, get_registry, get_settings, get_store, owned_job
+from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.jobs import JobManager
-from opentinker.server.store import JobRecord, Store, User
-from opentinker.server.validation import rows_problems
+from opentinker.server.policy import JobPolicy, PolicyError
+from opentinker.server.settings import ServerSettings
+from opentinker.server.store import JobRecord, QuotaExceeded, Store, User, spec_digest
+from opentinker.server.validation import RowRules, rows_problems
 
-router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(current_user)])
+router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(current_user)], responses=AUTHENTICATED_ERRORS)
 
 MAX_IDEMPOTENCY_KEY_CHARS = 200
+QUOTA_RETRY_AFTER_S = 30
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_task_names() -> frozenset[str] | None:
-    """Names of the built-in datasets, or None when the engine cannot be imported here.
-
-    The engine module pulls in transformers (seconds to import), so this runs once, in a
-    worker thread."""
-    try:
-        from opentinker.engine.data import BUILTIN_TASKS
-    except ImportError:
-        return None
-    return frozenset(BUILTIN_TASKS)
+def check_idempotency_key(key: str | None) -> None:
+    if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise ApiError(422, f"header Idempotency-Key: must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
 
 
-def _check_interactions(body: JobCreate, registry: InteractionRegistry) -> None:
-    duplicates = sorted(name for name, count in Counter(s.name for s in body.interactions).items() if count > 1)
+def interaction_classes(
+    specs: list[Any], registry: InteractionRegistry, policy: JobPolicy
+) -> dict[str, type]:
+    """The job's interactions, name -> class, each built once with the server's context so
+    that its config (env endpoints included) is checked as the runner will build it."""
+    duplicates = sorted(name for name, count in Counter(s.name for s in specs).items() if count > 1)
     if duplicates:
         raise ApiError(422, f"interactions: duplicate names {duplicates}", {"field": "interactions"})
-    for i, spec in enumerate(body.interactions):
+    classes: dict[str, type] = {}
+    for i, spec in enumerate(specs):
+        label = f"interactions[{i}] ({spec.name!r})"
         try:
-            registry.resolve(spec.class_path)
+            cls = registry.resolve(spec.class_path)
         except (UnknownInteractionError, TypeError) as exc:
             raise ApiError(
                 400,
-                f"interactions[{i}] ({spec.name!r}): {exc}",
+                f"{label}: {exc}",
                 {"field": f"interactions[{i}].class_path", "allowed_class_paths": registry.allowed_paths()},
             ) from exc
+        try:
+            registry.build([spec], context=policy.interaction_context(None))
+        except ValueError as exc:
+            raise ApiError(422, f"{label}: {exc}", {"field": f"interactions[{i}].config"}) from exc
+        classes[spec.name] = cls
+    return classes
 
 
-async def _check_data(body: JobCreate, task: str | None) -> None:
+async def check_rows(
+    rows: list[Any], field: str, rules: RowRules, tokenizers: Any, model_name: str | None
+) -> None:
+    """422 naming the first bad rows; prompt lengths are counted with the model's tokenizer,
+    in a worker thread (a dataset can be large)."""
+
+    def problems() -> list[str]:
+        rules.tokenizer = tokenizers.get(model_name)
+        return rows_problems(rows, field, rules)
+
+    found = await asyncio.to_thread(problems)
+    if found:
+        raise ApiError(422, "; ".join(found), {"field": field, "problems": found})
+
+
+async def _check_data(body: JobCreate, cfg: Any, classes: dict[str, type], tokenizers: Any) -> None:
     if body.mode == "client" and body.dataset is not None:
         raise ApiError(
             422,
@@ -60,26 +82,20 @@ async def _check_data(body: JobCreate, task: str | None) -> None:
             "send no dataset, or use mode 'server'",
             {"field": "dataset"},
         )
-    if body.mode == "server" and body.dataset is None:
-        if not task:
-            raise ApiError(
-                422, "dataset: a server-mode job needs a dataset or a built-in data.task", {"field": "dataset"}
-            )
-        names = await asyncio.to_thread(builtin_task_names)
-        if names is not None and task not in names:
-            raise ApiError(
-                422,
-                f"config key 'data.task': unknown built-in task {task!r}; built-in tasks: {sorted(names)}",
-                {"field": "config.data.task"},
-            )
+    if not classes and not cfg.data.task:
+        raise ApiError(
+            422,
+            "config key 'data.task': a job without interactions is scored by a built-in task; "
+            "set data.task (e.g. 'arithmetic') or give interactions",
+            {"field": "config.data.task"},
+        )
+    rules = RowRules(cfg.data.max_prompt_length, cfg.data.task, classes)
     for field, rows in (("dataset", body.dataset), ("val_dataset", body.val_dataset)):
         if rows is None:
             continue
         if not rows:
             raise ApiError(422, f"{field}: must not be empty (send null for none)", {"field": field})
-        problems = rows_problems(rows, field)
-        if problems:
-            raise ApiError(422, "; ".join(problems), {"field": field, "problems": problems})
+        await check_rows(rows, field, rules, tokenizers, cfg.actor_rollout_ref.model.path)
 
 
 @router.post(
@@ -87,50 +103,59 @@ async def _check_data(body: JobCreate, task: str | None) -> None:
     status_code=201,
     response_model=JobCreated,
     summary="Create and start a training job",
-    responses={200: {"description": "a retry with an Idempotency-Key already used: the job created then"}},
+    responses={
+        200: {"description": "a retry with an Idempotency-Key already used: the job created then"},
+        **error_responses(400, 409, 429),
+    },
 )
 async def create_job(
     body: JobCreate,
+    request: Request,
     response: Response,
     idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
     user: User = Depends(current_user),
     store: Store = Depends(get_store),
     manager: JobManager = Depends(get_manager),
     registry: InteractionRegistry = Depends(get_registry),
+    settings: ServerSettings = Depends(get_settings),
 ) -> JobCreated:
+    check_idempotency_key(idempotency_key)
+    policy = settings.job_policy
     try:
-        cfg = make_config(body.config)
+        cfg = policy.client_config(body.config)
+    except PolicyError as exc:
+        raise ApiError(422, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
         raise ApiError(422, str(exc), {"field": "config"}) from exc
-    except Exception as exc:  # OmegaConf rejects some value shapes before our checks run
-        raise ApiError(422, f"config: {exc}", {"field": "config"}) from exc
-    if cfg.trainer.default_local_dir is not None:
-        # The server decides where a job writes (its own folder); a client must not pick
-        # a path on the server's disk.
-        raise ApiError(
-            422,
-            "config key 'trainer.default_local_dir' is set by the server (each job saves into its own "
-            "folder); leave it out and use trainer.save_freq or POST /v1/jobs/{id}/checkpoints",
-            {"field": "config.trainer.default_local_dir"},
-        )
-    _check_interactions(body, registry)
-    await _check_data(body, cfg.data.task)
+    classes = interaction_classes(body.interactions, registry, policy)
+    await _check_data(body, cfg, classes, request.app.state.tokenizers)
 
-    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise ApiError(422, f"header Idempotency-Key: must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
     spec = body.model_dump(mode="json")
-    job, created = store.create_job(
-        uuid.uuid4().hex,
-        user,
-        name=body.name,
-        mode=body.mode,
-        spec=spec,
-        config=to_dotted(cfg),
-        total_steps=int(cfg.trainer.total_training_steps),
-        idempotency_key=idempotency_key,
-    )
+    limit = settings.max_running_jobs_per_user + settings.max_queued_jobs_per_user
+    try:
+        job, created, digest = await asyncio.to_thread(
+            store.create_job,
+            uuid.uuid4().hex,
+            user,
+            name=body.name,
+            mode=body.mode,
+            spec=spec,
+            config=to_dotted(cfg),
+            total_steps=int(cfg.trainer.total_training_steps),
+            idempotency_key=idempotency_key,
+            max_unfinished=limit,
+        )
+    except QuotaExceeded as exc:
+        raise ApiError(
+            429,
+            f"you have {exc.count} unfinished jobs (running or queued), the most this server allows per user "
+            f"({settings.max_running_jobs_per_user} running + {settings.max_queued_jobs_per_user} queued); "
+            "wait for one to end or cancel one",
+            {"unfinished": exc.count, "limit": exc.limit},
+            headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
+        ) from exc
     if not created:  # a retry whose first answer was lost: the job already exists
-        if job.spec != spec:
+        if digest != spec_digest(spec):
             raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for a different job ({job.job_id})")
         response.status_code = 200
         return JobCreated(job_id=job.job_id)
@@ -143,12 +168,14 @@ async def list_jobs(user: User = Depends(current_user), store: Store = Depends(g
     return JobList(jobs=[job.info() for job in store.list_jobs(user)])
 
 
-@router.get("/{job_id}", response_model=JobInfo, summary="One of your jobs")
+@router.get("/{job_id}", response_model=JobInfo, summary="One of your jobs", responses=error_responses(404))
 async def get_job(job: JobRecord = Depends(owned_job)) -> JobInfo:
     return job.info()
 
 
-@router.post("/{job_id}/cancel", response_model=JobInfo, summary="Stop a job after its current step")
+@router.post(
+    "/{job_id}/cancel", response_model=JobInfo, summary="Stop a job after its current step", responses=error_responses(404)
+)
 async def cancel_job(
     job: JobRecord = Depends(owned_job),
     store: Store = Depends(get_store),

@@ -13,19 +13,20 @@ import asyncio
 from fastapi import APIRouter, Depends, Header, Request, Response
 from ray.exceptions import RayActorError, RayTaskError
 
+from opentinker.environments.registry import InteractionRegistry, InteractionSpec
 from opentinker.protocol import StepAccepted, StepBatch
 from opentinker.server.auth import current_user
-from opentinker.server.deps import get_manager, get_settings, get_store, owned_job
-from opentinker.server.errors import ApiError
+from opentinker.server.deps import get_manager, get_registry, get_settings, get_store, owned_job
+from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
+from opentinker.server.routers.jobs import check_idempotency_key, check_rows
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
-from opentinker.server.validation import rows_problems
+from opentinker.server.validation import RowRules
 
-router = APIRouter(prefix="/jobs", tags=["steps"], dependencies=[Depends(current_user)])
+router = APIRouter(prefix="/jobs", tags=["steps"], dependencies=[Depends(current_user)], responses=AUTHENTICATED_ERRORS)
 
 RETRY_AFTER_S = 2
-MAX_IDEMPOTENCY_KEY_CHARS = 200
 
 
 def _job_lock(request: Request, job_id: str) -> asyncio.Lock:
@@ -33,6 +34,17 @@ def _job_lock(request: Request, job_id: str) -> asyncio.Lock:
     # must not interleave with a concurrent retry of the same step.
     locks: dict[str, asyncio.Lock] = request.app.state.step_locks
     return locks.setdefault(job_id, asyncio.Lock())
+
+
+def _row_rules(job: JobRecord, registry: InteractionRegistry) -> RowRules:
+    """The rules the job's rows follow, from its stored config and interactions (all of which
+    were checked when the job was created)."""
+    specs = [InteractionSpec.model_validate(s) for s in job.spec.get("interactions") or []]
+    return RowRules(
+        max_prompt_length=int(job.config["data.max_prompt_length"]),
+        task=job.config.get("data.task"),
+        interactions={spec.name: registry.resolve(spec.class_path) for spec in specs},
+    )
 
 
 def _duplicate(accepted: StepAccepted, response: Response) -> StepAccepted:
@@ -45,7 +57,10 @@ def _duplicate(accepted: StepAccepted, response: Response) -> StepAccepted:
     status_code=202,
     response_model=StepAccepted,
     summary="Push the rows of one training step (client mode)",
-    responses={200: {"description": "a repeat of an accepted step (duplicate: true)"}},
+    responses={
+        200: {"description": "a repeat of an accepted step (duplicate: true)"},
+        **error_responses(404, 409, 429, 503),
+    },
 )
 async def push_step(
     body: StepBatch,
@@ -56,12 +71,17 @@ async def push_step(
     store: Store = Depends(get_store),
     settings: ServerSettings = Depends(get_settings),
     manager: JobManager = Depends(get_manager),
+    registry: InteractionRegistry = Depends(get_registry),
 ) -> StepAccepted:
     job_id = job.job_id
     if job.mode != "client":
         raise ApiError(409, f"job {job_id} runs in {job.mode} mode; only client-mode jobs take pushed steps")
-    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise ApiError(422, f"header Idempotency-Key: must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
+    check_idempotency_key(idempotency_key)
+    if len(body.rows) > settings.max_rows_per_step:
+        raise ApiError(
+            422, f"rows: at most {settings.max_rows_per_step} rows per step on this server, got {len(body.rows)}",
+            {"field": "rows"},
+        )
 
     async with _job_lock(request, job_id):
         if idempotency_key is not None:
@@ -82,9 +102,8 @@ async def push_step(
         assert current is not None
         if current.status.finished:
             raise ApiError(409, f"job {job_id} is {current.status.value}; it takes no more steps")
-        problems = rows_problems(body.rows, "rows")
-        if problems:
-            raise ApiError(422, "; ".join(problems), {"field": "rows", "problems": problems})
+        await check_rows(body.rows, "rows", _row_rules(job, registry), request.app.state.tokenizers,
+                         job.config.get("actor_rollout_ref.model.path"))
         expected = store.last_step(job_id) + 1
         if body.step != expected:
             raise ApiError(
