@@ -1,10 +1,12 @@
 """Load on the control plane: concurrent event streams plus control requests, on loopback.
 
-    python benchmarks/load.py [--streams 50] [--seconds 60] [--jobs 2]
+    python benchmarks/load.py [--streams 50] [--seconds 60] [--jobs 2] [--dataset-mib 19]
 
 Starts ``opentinker-server serve`` (its own local Ray, the embedded tiny model) on a free
 loopback port with a fresh data folder, and ``--jobs`` real GRPO jobs that keep training
-(and emitting events) for the whole run. Then, in one run, side by side:
+(and emitting events) for the whole run; the first one carries a dataset of about
+``--dataset-mib`` MiB (the audit's setting: a server that re-read stored datasets on every
+job read slowed down with it). Then, in one run, side by side:
 
 - baseline (a quarter of ``--seconds``): control requests only;
 - loaded (the rest): the same control requests while ``--streams`` clients, in a separate
@@ -46,11 +48,11 @@ def _cli(data: Path, *args: str) -> str:
 
 def start_server(data: Path, port: int, jobs: int) -> subprocess.Popen:
     log = open(data / "server.log", "w")  # noqa: SIM115 - lives as long as the server
-    server = subprocess.Popen(
-        [sys.executable, "-m", "opentinker.server.cli", "serve", "--port", str(port), "--data-dir", str(data),
-         "--max-running-jobs", str(jobs), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    command = [sys.executable, "-m", "opentinker.server.cli", "serve", "--port", str(port), "--data-dir", str(data),
+               "--log-level", "warning"]
+    if jobs > 2:  # the default quota runs 2 jobs per user at once
+        command += ["--max-running-jobs", str(jobs)]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -61,6 +63,15 @@ def start_server(data: Path, port: int, jobs: int) -> subprocess.Popen:
         if server.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"the server did not start; see {data / 'server.log'}")
         time.sleep(0.3)
+
+
+def dataset(mib: float) -> list[dict]:
+    """Arithmetic rows, padded (in extra_info, which training ignores) to about ``mib`` MiB."""
+    from opentinker.environments.arithmetic import make_problems
+
+    pad = "x" * 5000
+    count = max(8, int(mib * 2**20 / (len(pad) + 150)))
+    return [{**p.as_row(), "extra_info": {"pad": pad}} for p in make_problems(count, seed=3)]
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -142,6 +153,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--dataset-mib", type=float, default=19.0, help="dataset of the first job; 0: none")
     parser.add_argument("--stream-worker", nargs=3, metavar=("URL", "KEY", "JOB_IDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stream_worker:  # the child process
@@ -156,14 +168,21 @@ def main() -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    print(f"[load] server {url} (data {data}); {args.jobs} training jobs; {args.streams} streams; "
-          f"{args.seconds:g} s", flush=True)
+    print(f"[load] server {url} (data {data}); {args.jobs} training jobs (dataset {args.dataset_mib:g} MiB); "
+          f"{args.streams} streams; {args.seconds:g} s", flush=True)
     server = start_server(data, port, args.jobs)
     headers = {"Authorization": f"Bearer {key}"}
     try:
         with httpx.Client(base_url=url, headers=headers, timeout=60, trust_env=False) as client:
-            job_ids = [client.post("/v1/jobs", json={"name": f"load-{i}", "config": JOB_CONFIG}).json()["job_id"]
-                       for i in range(args.jobs)]
+            job_ids = []
+            for i in range(args.jobs):
+                body = {"name": f"load-{i}", "config": JOB_CONFIG}
+                if i == 0 and args.dataset_mib > 0:
+                    body["dataset"] = dataset(args.dataset_mib)
+                response = client.post("/v1/jobs", json=body, timeout=600)
+                if response.status_code != 201:
+                    raise SystemExit(f"creating job {i} answered {response.status_code}: {response.text[:300]}")
+                job_ids.append(response.json()["job_id"])
             deadline = time.monotonic() + 180
             while any(client.get(f"/v1/jobs/{j}").json()["step"] < 1 for j in job_ids):
                 if time.monotonic() > deadline:
