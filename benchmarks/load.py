@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from opentinker.client.local_server import wait_for_health
+
 CONTROL_THREADS = 4
 JOB_CONFIG = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
               "actor_rollout_ref.rollout.n": 2, "trainer.test_freq": -1, "trainer.total_training_steps": 100000}
@@ -53,16 +55,8 @@ def start_server(data: Path, port: int, jobs: int) -> subprocess.Popen:
     if jobs > 2:  # the default quota runs 2 jobs per user at once
         command += ["--max-running-jobs", str(jobs)]
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2, trust_env=False).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not start; see {data / 'server.log'}")
-        time.sleep(0.3)
+    wait_for_health(f"http://127.0.0.1:{port}", server, data / "server.log", timeout_s=180)
+    return server
 
 
 def dataset(mib: float) -> list[dict]:

@@ -3,9 +3,10 @@
     python examples/quickstart.py
 
 Uses OPENTINKER_BASE_URL / OPENTINKER_API_KEY when set; otherwise starts a local server with
-the embedded tiny model (needs `pip install "opentinker[server]"`). On a GPU server, add
-"actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct" and
-"actor_rollout_ref.rollout.name": "vllm" to the config.
+the embedded tiny model (needs `pip install "opentinker[server]"`). On a GPU server that
+serves it (`opentinker-server serve --model Qwen/Qwen2.5-0.5B-Instruct`; `opentinker models`
+lists what a server serves), add "actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct"
+and "actor_rollout_ref.rollout.name": "vllm" to the config.
 """
 
 from opentinker import GenericEnvironment, InteractionSpec

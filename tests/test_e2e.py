@@ -131,3 +131,15 @@ def test_setup_fails_at_once_naming_an_unreachable_env_endpoint(client):
     bad_class = GenericEnvironment(SMALL, [InteractionSpec(name="x", class_path="os.system")], dataset=rows(4))
     with pytest.raises(EnvironmentSetupError, match="opentinker.environments.gym_interaction.GymEnvironmentInteraction"):
         bad_class.setup(client)
+
+
+def test_models_lists_what_jobs_may_train(client, server, capsys, monkeypatch):
+    from opentinker.client.cli import main
+
+    listed = client.models()
+    assert [(m.name, m.default) for m in listed.models] == [("opentinker-tiny-arith", True)]
+    assert listed.judge_models == []
+    monkeypatch.setenv("OPENTINKER_BASE_URL", server[0])
+    monkeypatch.setenv("OPENTINKER_API_KEY", server[1])
+    assert main(["models"]) == 0
+    assert capsys.readouterr().out.split() == ["MODEL", "opentinker-tiny-arith", "default"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from opentinker.client.local_server import wait_for_health
 from opentinker.server.reaper import descendants
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -44,16 +45,8 @@ def _serve(data: Path, port: int) -> subprocess.Popen:
          "--ray-num-cpus", "2"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2, trust_env=False).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None, (data / f"server-{port}.log").read_text()
-        assert time.monotonic() < deadline, "the server did not come up in 120 s"
-        time.sleep(0.3)
+    wait_for_health(f"http://127.0.0.1:{port}", process, data / f"server-{port}.log")
+    return process
 
 
 def _listening(pids: set[int]) -> list[tuple[ipaddress._BaseAddress, int, int]]:

@@ -4,7 +4,8 @@
 
 The script starts the environment server itself on 127.0.0.1 (on a cluster, run
 `python -m opentinker.environments.games guess_number --host 0.0.0.0 --port 8000` on any
-machine the training server can reach, and point env_endpoint there). Rows carry no prompt:
+machine the training server can reach, start the server with --allow-env-host for that host,
+and point env_endpoint there). Rows carry no prompt:
 the env's reset observation opens each chat; rewards come from the env. The embedded tiny
 model is an arithmetic model and rarely wins; the GPU variant
 ("actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct", "rollout.name": "vllm") learns it.

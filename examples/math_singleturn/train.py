@@ -3,7 +3,8 @@
     python examples/math_singleturn/train.py [--steps 40] [--mode client]
 
 `--mode client` pushes every step's batch from this script's dataloader instead of uploading
-the dataset. GPU variant: add "actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct",
+the dataset. GPU variant (a server started with --model Qwen/Qwen2.5-0.5B-Instruct): add
+"actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct",
 "actor_rollout_ref.rollout.name": "vllm", "data.max_response_length": 512, and a real dataset
 (a JSONL file of rows like the ones below) as `dataset="train.jsonl"`.
 """

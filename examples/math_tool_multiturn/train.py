@@ -4,8 +4,8 @@
 
 The model may write <tool_call>calc(12*7)</tool_call>; the env answers
 <tool_response>84</tool_response> (evaluated safely, never with eval) and grades the final
-"#### N". Only the model's tokens carry loss. GPU variant: "actor_rollout_ref.model.path":
-"Qwen/Qwen2.5-1.5B-Instruct", "actor_rollout_ref.rollout.name": "vllm",
+"#### N". Only the model's tokens carry loss. GPU variant (served with --model
+Qwen/Qwen2.5-1.5B-Instruct): "actor_rollout_ref.model.path": "Qwen/Qwen2.5-1.5B-Instruct", "actor_rollout_ref.rollout.name": "vllm",
 "data.max_response_length": 1024.
 """
 

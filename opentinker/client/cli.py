@@ -8,6 +8,7 @@
     opentinker jobs cancel ID
     opentinker jobs checkpoints ID
     opentinker jobs download ID [--name NAME] [--dest DIR]
+    opentinker models                 # what actor_rollout_ref.model.path may name here
 
 The server and key come from ``--base-url`` / ``--api-key`` (before or after the command)
 or ``$OPENTINKER_BASE_URL`` / ``$OPENTINKER_API_KEY``.
@@ -235,9 +236,22 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("--name", default=None, help="checkpoint name (default: the latest)")
     download.add_argument("--dest", default=None, help="folder to extract into (default: ./<name>)")
 
+    models = commands.add_parser("models", help="the models this server trains (names for actor_rollout_ref.model.path)")
+    _connection_options(models, suppress=True)
+    models.set_defaults(handler=_models)
+
     for setup in _EXTRA_COMMANDS:
         setup(commands)
     return parser
+
+
+def _models(args: argparse.Namespace) -> int:
+    with make_client(args) as client:
+        listed = client.models()
+    rows = [[m.name, "default" if m.default else ""] for m in listed.models]
+    rows += [[name, "judge"] for name in listed.judge_models]
+    _print(_table(["MODEL", ""], rows))
+    return 0
 
 
 @add_command

@@ -48,6 +48,7 @@ from opentinker.protocol import (
     Health,
     JobCreate,
     JobCreated,
+    ModelList,
     JobInfo,
     JobList,
     JobMode,
@@ -248,6 +249,11 @@ class OpenTinkerClient:
     def version(self) -> dict[str, Any]:
         """``GET /v1/version``: the server's version information."""
         return self.request_json("GET", "/version")
+
+    def models(self) -> ModelList:
+        """``GET /v1/models``: the names ``actor_rollout_ref.model.path`` may take on this server
+        (and the strategy-judge models ``algorithm.judge.model`` may pick)."""
+        return ModelList.model_validate(self.request_json("GET", "/models"))
 
     def create_job(self, job: JobCreate | Mapping[str, Any], *, idempotency_key: str | None = None) -> JobHandle:
         """``POST /v1/jobs``; returns a handle on the new job."""

@@ -41,7 +41,7 @@ def _server_cli(*args: str) -> str:
     return result.stdout
 
 
-def _wait_for_health(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:
+def wait_for_health(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -77,7 +77,7 @@ def local_server(data_dir: str | Path | None = None, port: int | None = None) ->
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
-            _wait_for_health(url, server, log_path)
+            wait_for_health(url, server, log_path)
             yield url, match.group(0)
         finally:
             server.terminate()

@@ -8,6 +8,7 @@ failing field as a dotted path (``body.config.data``, ``body.rows[2]``, ``query.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,6 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from opentinker.protocol import ErrorBody
 
@@ -82,13 +82,16 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> str:
 
 
 def allowed_methods(request: Request) -> list[str]:
-    """Every method some route of the app serves at the request's path."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match is not Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)
+    """Every method the API documents at the request's path (from the OpenAPI paths, built once)."""
+    table = getattr(request.app.state, "methods_by_path", None)
+    if table is None:
+        table = [
+            (re.compile("^" + "[^/]+".join(map(re.escape, re.split(r"\{[^/}]+\}", path))) + "$"),
+             {method.upper() for method in operations})
+            for path, operations in request.app.openapi()["paths"].items()
+        ]
+        request.app.state.methods_by_path = table
+    return sorted({m for pattern, methods in table if pattern.match(request.url.path) for m in methods})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -105,8 +108,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         detail = None if isinstance(exc.detail, str) else exc.detail
         headers = dict(getattr(exc, "headers", None) or {})
-        if exc.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several
-            headers["Allow"] = ", ".join(allowed_methods(request))
+        if exc.status_code == 405:  # FastAPI's Allow names one route's methods; a path may have several
+            headers["Allow"] = ", ".join(allowed_methods(request)) or headers.get("Allow", "")
         return error_response(exc.status_code, message, detail, headers or None)
 
     @app.exception_handler(Exception)

@@ -84,3 +84,42 @@ def test_interaction_class_paths_go_through_the_allowlist(tmp_path):
 def test_gpu_jobs_reserve_gpus_for_their_actor():
     assert JobRunner.ray_actor_options({"config": {"trainer.n_gpus_per_node": 1}}) == {"num_gpus": 1}
     assert JobRunner.ray_actor_options({"config": {}}) == {}
+
+
+def test_an_env_outage_skips_steps_with_events_then_fails_naming_the_endpoint(tiny_model_dir, tmp_path):
+    """The audit's held-out run: an env whose /reset answers 500 failed the job at step 0 with
+    ``IndexError: max(): Expected reduction dim 1 to have non-zero size.``"""
+    from opentinker.environments.endpoints import EndpointPolicy
+    from opentinker.environments.games import ArithmeticEnv
+    from opentinker.environments.server import running_env_server
+
+    class DownEnv(ArithmeticEnv):
+        def reset(self, seed=None, **kwargs):
+            raise RuntimeError("the simulator is down")
+
+    policy = JobPolicy(endpoint_policy=EndpointPolicy.from_strings(["127.0.0.1"]))
+    with running_env_server(DownEnv) as (url,):
+        spec = {"mode": "server", "config": {**FAST, "trainer.total_training_steps": 10,
+                                            "trainer.max_consecutive_empty_steps": 3},
+                "dataset": [{"extra_info": {"interaction_kwargs": {"name": "arith"}}}] * 4,
+                "interactions": [{"name": "arith", "class_path": "gym", "config": {"env_endpoint": url}}]}
+        runner = JobRunner("job-outage", spec, str(tmp_path), policy)
+        outcome = runner.run()
+    events = runner.drain_events()
+    warnings = [e["data"]["message"] for e in events if e["type"] == "log" and e["data"].get("level") == "warning"]
+    assert [w.split(":")[0] for w in warnings] == ["step 1 skipped", "step 2 skipped"]
+    assert all(url in w and "the simulator is down" in w for w in warnings)
+    skipped = [e["data"]["metrics"]["train/skipped"] for e in events if e["type"] == "metrics"]
+    assert skipped == [1.0, 1.0] and all("skip_reason" not in e["data"]["metrics"] for e in events
+                                         if e["type"] == "metrics")
+    assert outcome["status"] == "failed" and outcome["step"] == 2
+    assert outcome["error"].startswith("EnvironmentUnavailableError: 3 training steps in a row had nothing to train on")
+    assert url in outcome["error"] and "IndexError" not in outcome["error"]
+
+
+def test_the_runner_checks_env_endpoints_against_the_operators_hosts(tmp_path):
+    spec = {"mode": "server", "config": FAST, "dataset": [{"extra_info": {"interaction_kwargs": {}}}] * 2,
+            "interactions": [{"name": "g", "class_path": "gym", "config": {"env_endpoint": "http://10.1.2.3:80"}}]}
+    outcome = JobRunner("job", spec, str(tmp_path)).run()  # the default policy allows no env host
+    assert outcome["status"] == "failed"
+    assert "env_endpoint http://10.1.2.3:80: this server allows no environment servers" in outcome["error"]

@@ -88,7 +88,8 @@ def test_7_queued_jobs_survive_a_restart(start_server, tmp_path, helpers):
 
 
 def test_7_idle_client_mode_jobs_are_stopped(start_server, tmp_path, helpers):
-    live = start_server(tmp_path, client_idle_timeout_s=1.0)
+    live = start_server(tmp_path, client_idle_timeout_s=2.0)
+    live.app.state.tokenizers.get(None)  # loaded once up front: the first push is not slowed by it
     key = helpers.make_user(tmp_path, "judy")
     with live.client(key) as client:
         never_pushed = helpers.create_job(client, "quick", mode="client", steps=3)
@@ -96,9 +97,14 @@ def test_7_idle_client_mode_jobs_are_stopped(start_server, tmp_path, helpers):
         assert client.post(f"/v1/jobs/{pushed_once}/steps", json={"step": 1, "rows": [ROW]}).status_code == 202
         for job_id in (never_pushed, pushed_once):
             info = helpers.wait_status(client, job_id, "cancelled", timeout=30)
-            events = helpers.all_events(client, job_id)
+            # The status changes at once; its event follows the runner's last events.
+            def final_event_stored(job_id=job_id):
+                events = helpers.all_events(client, job_id)
+                return events if events[-1]["data"].get("status") == "cancelled" else None
+
+            events = helpers.wait_for(final_event_stored, 30, "the final status event")
             final = events[-1]
-            assert final["type"] == "status" and final["data"]["status"] == "cancelled"
+            assert final["type"] == "status" and final["data"]["status"] == "cancelled", events
             assert "with no step to train" in final["data"]["reason"]
             assert "--client-idle-timeout" in final["data"]["reason"]
             assert info["step"] == (1 if job_id == pushed_once else 0)  # the pushed step was trained first

@@ -166,3 +166,28 @@ def test_env_check_resolves_specs_and_reaches_endpoints_from_the_server(alice):
     assert any(f"{host}:{int(port) + 1}/health" in p and "interactions[0]" in p for p in problems)
     assert any("interactions[1]" in p and "subprocess.Popen" in p for p in problems)
     assert any("interactions[2]" in p for p in problems)
+
+
+def test_openapi_documents_every_error_and_the_public_docs(server):
+    """Item 18: the document matches the server; only health and the docs need no key."""
+    document = server.app.openapi()
+    assert "/docs" in document["info"]["description"] and "/openapi.json" in document["info"]["description"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            errors = {code for code in responses if code.startswith(("4", "5"))}
+            if path == "/v1/health":
+                assert errors == set()
+                continue
+            assert {"401", "413", "422", "500"} <= errors, (method, path, errors)
+            for code in errors:
+                schema = responses[code]["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, code)
+    assert "404" in document["paths"]["/v1/jobs/{job_id}"]["get"]["responses"]
+    assert {"400", "409", "429"} <= set(document["paths"]["/v1/jobs"]["post"]["responses"])
+    assert {"409", "429", "503"} <= set(document["paths"]["/v1/jobs/{job_id}/steps"]["post"]["responses"])
+    assert "HTTPValidationError" not in document["components"]["schemas"]  # our 422 shape only
+    with server.client() as anonymous:
+        assert anonymous.get("/docs").status_code == 200 and anonymous.get("/openapi.json").status_code == 200
+        wrong_method = anonymous.delete("/v1/jobs")
+    assert wrong_method.status_code == 405 and wrong_method.headers["Allow"] == "GET, POST"
