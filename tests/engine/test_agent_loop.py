@@ -58,17 +58,14 @@ class SlowStepEnv:
         return "Late.", 1.0, True, {}
 
 
-def invalid_json_app() -> FastAPI:
+def recording_env_app(reset, step=None) -> FastAPI:
+    """An env server app with the given /reset (and /step) handlers; /finalize records the
+    instance ids it is sent (``app.state.finalized``), /health answers ok."""
     app = FastAPI()
     app.state.finalized = []
-
-    @app.post("/reset")
-    async def reset(body: dict):
-        return {"observation": "Hi."}
-
-    @app.post("/step")
-    async def step(body: dict):
-        return PlainTextResponse("this is not json", media_type="application/json")
+    app.post("/reset")(reset)
+    if step is not None:
+        app.post("/step")(step)
 
     @app.post("/finalize")
     async def finalize(body: dict):
@@ -80,6 +77,16 @@ def invalid_json_app() -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def invalid_json_app() -> FastAPI:
+    async def reset(body: dict):
+        return {"observation": "Hi."}
+
+    async def step(body: dict):
+        return PlainTextResponse("this is not json", media_type="application/json")
+
+    return recording_env_app(reset, step)
 
 
 @pytest.fixture(scope="module")
@@ -284,25 +291,16 @@ def test_qwen25_style_template_appends_increments_without_repeating_the_system_p
 def failing_reset_app(answer: str) -> FastAPI:
     """/reset answers 500 (``answer="500"``) or applies the reset and answers garbage
     (``"garbage"``: an answer lost on the way); /finalize records what it got."""
-    app = FastAPI()
-    app.state.resets, app.state.finalized = [], []
+    resets: list[str] = []
 
-    @app.post("/reset")
     async def reset(body: dict):
-        app.state.resets.append(body["instance_id"])
+        resets.append(body["instance_id"])
         if answer == "500":
             return JSONResponse({"error": "RuntimeError: the simulator is down"}, status_code=500)
         return PlainTextResponse("<html>proxy error</html>", media_type="text/html")
 
-    @app.post("/finalize")
-    async def finalize(body: dict):
-        app.state.finalized.append(body["instance_id"])
-        return {"ok": True}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
+    app = recording_env_app(reset)
+    app.state.resets = resets
     return app
 
 

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,36 @@ def make_user(data_dir: Path, name: str) -> str:
         return auth.create_api_key(store, user)
     finally:
         store.close()
+
+
+class _RecordingHandler(BaseHTTPRequestHandler):
+    """Some other service: records each request's path and Authorization header and
+    answers 404 with a body that must never be shown to a client."""
+
+    seen: list[dict] = []
+    BODY = b"SECRET-internal-dashboard-token"
+
+    def do_GET(self):  # noqa: N802
+        type(self).seen.append({"path": self.path, "authorization": self.headers.get("Authorization")})
+        self.send_response(404)
+        self.send_header("Content-Length", str(len(self.BODY)))
+        self.end_headers()
+        self.wfile.write(self.BODY)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recording_service() -> Iterator[tuple[str, list[dict]]]:
+    """``(base_url, seen)`` of a service on 127.0.0.1 that records every request it gets."""
+    _RecordingHandler.seen = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _RecordingHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", _RecordingHandler.seen
+    httpd.shutdown()
 
 
 @pytest.fixture(scope="session")

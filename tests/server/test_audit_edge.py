@@ -8,8 +8,6 @@ broke storage, 10 client-mode rows, 12 upper bounds, 14 body size, 16 named choi
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -56,34 +54,8 @@ def test_1_config_interpolation_is_refused_and_never_resolved(alice, monkeypatch
 # 2 ------------------------------------------------------------------------------------
 
 
-class _Recorder(BaseHTTPRequestHandler):
-    """An 'attacker' endpoint that records every request it gets."""
-
-    seen: list[dict] = []
-
-    def do_POST(self):  # noqa: N802
-        type(self).seen.append({"path": self.path, "authorization": self.headers.get("Authorization")})
-        self.send_response(500)
-        self.end_headers()
-
-    do_GET = do_POST
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def attacker():
-    _Recorder.seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", _Recorder.seen
-    server.shutdown()
-
-
-def test_2_a_client_never_picks_the_judge_endpoint(alice, attacker):
-    url, seen = attacker
+def test_2_a_client_never_picks_the_judge_endpoint(alice, recording_service):
+    url, seen = recording_service
     config = {"algorithm.adv_estimator": "grpo_weighted_mul", "algorithm.enable_solution_classification": True,
               "algorithm.judge.kind": "openai", "algorithm.judge.base_url": f"{url}/v1"}
     # This server offers no OpenAI judge at all.
@@ -91,8 +63,8 @@ def test_2_a_client_never_picks_the_judge_endpoint(alice, attacker):
     assert seen == []
 
 
-def test_2_judge_base_url_and_model_are_the_operators(start_server, tmp_path, helpers, attacker):
-    url, seen = attacker
+def test_2_judge_base_url_and_model_are_the_operators(start_server, tmp_path, helpers, recording_service):
+    url, seen = recording_service
     live = start_server(tmp_path, judge_models=["judge-a", "judge-b"], judge_base_url="http://127.0.0.1:9/v1")
     key = helpers.make_user(tmp_path, "mallory")
     base = {"algorithm.adv_estimator": "grpo_weighted_mul", "algorithm.enable_solution_classification": True,
