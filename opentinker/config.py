@@ -320,8 +320,6 @@ def _parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{item}' is not of the form key=value")
     key, raw = item.split("=", 1)
     key = key.strip().lstrip("+")
-    if "${" in raw:
-        _check_plain(key, raw)
     # YAML scalars: numbers, booleans, null and [lists] parse as in verl's Hydra overrides.
     try:
         value = OmegaConf.to_container(OmegaConf.create(f"v: {raw}"))["v"]

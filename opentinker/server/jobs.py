@@ -224,6 +224,7 @@ class JobManager:
         self._started = False
         self._reaper: subprocess.Popen | None = None
         self._scheduling = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()  # scheduling passes (held: the loop keeps only weak refs)
         # Job actors live in this server's own namespace, so that servers sharing a Ray
         # cluster never see (or sweep) each other's actors.
         self.namespace = f"{RAY_NAMESPACE}-{store.server_id()[:12]}"
@@ -321,7 +322,12 @@ class JobManager:
         one frees up); returns at once."""
         if not self._started:
             raise RuntimeError("JobManager.start() has not been called")
-        asyncio.get_running_loop().create_task(self.schedule(), name=f"schedule-{job.job_id}")
+        self._schedule_soon()
+
+    def _schedule_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.schedule(), name="schedule")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def schedule(self) -> None:
         """Start queued jobs, oldest first, while their users have free slots."""
@@ -491,7 +497,7 @@ class JobManager:
             if self._active.get(job_id) is active:
                 del self._active[job_id]
             if self._started:  # a slot is free: start the next queued job
-                asyncio.get_running_loop().create_task(self.schedule())
+                self._schedule_soon()
 
     def _finish(self, job_id: str, result: Any) -> None:
         if not isinstance(result, dict):
