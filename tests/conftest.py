@@ -64,14 +64,29 @@ def arithmetic_prompt_ids(tiny_tokenizer):
 
 
 @pytest.fixture
-def make_worker(tiny_model_dir, tiny_tokenizer):
-    """``make_worker(*overrides)``: a policy worker on a fresh copy of the tiny model."""
+def make_backend(tiny_model_dir, tiny_tokenizer):
+    """``make_backend(*overrides)``: the configured training backend on a fresh copy of the tiny model."""
     from opentinker.config import make_config
+    from opentinker.engine.backend import make_backend as build
     from opentinker.engine.model_loading import load_causal_lm
-    from opentinker.engine.policy_worker import make_worker_group
 
     def make(*overrides: str):
         cfg = make_config(list(overrides))
-        return make_worker_group(cfg, load_causal_lm(str(tiny_model_dir)), tiny_tokenizer.pad_token_id)
+        return build(cfg, load_causal_lm(str(tiny_model_dir)), tiny_tokenizer.pad_token_id)
+
+    return make
+
+
+@pytest.fixture
+def make_ppo(tiny_model_dir, tiny_tokenizer):
+    """``make_ppo(*overrides)``: a PPO recipe over a fresh backend (its ``.backend``)."""
+    from opentinker.config import make_config
+    from opentinker.engine.backend import make_backend as build
+    from opentinker.engine.model_loading import load_causal_lm
+    from opentinker.engine.ppo import PPOUpdate
+
+    def make(*overrides: str):
+        cfg = make_config(list(overrides))
+        return PPOUpdate(build(cfg, load_causal_lm(str(tiny_model_dir)), tiny_tokenizer.pad_token_id), cfg)
 
     return make

@@ -1,8 +1,9 @@
 """The RL trainer: one function per phase, read top to bottom.
 
 A step is: rollout (n samples per prompt) -> rewards -> old/ref logprobs -> advantages ->
-update -> weight sync -> metrics. Everything heavy sits behind two objects: the policy
-``WorkerGroup`` (training) and the ``RolloutEngine`` (sampling).
+update -> weight sync -> metrics. Everything heavy sits behind two objects: the
+``TrainingBackend`` (the training primitives: forward, forward_backward, optim_step,
+weights) that the PPO recipe (``engine/ppo.py``) drives, and the ``RolloutEngine`` (sampling).
 
 Samples that cannot be trained on (excluded trajectories: env errors without an
 ``env_error_reward``, env prompts that are too long; and any whose env failed before the
@@ -44,7 +45,8 @@ from opentinker.engine.model_loading import (
     pick_device,
     resolve_model_path,
 )
-from opentinker.engine.policy_worker import WorkerGroup, make_worker_group
+from opentinker.engine.backend import TrainingBackend, make_backend
+from opentinker.engine.ppo import PPOUpdate
 from opentinker.engine.rollout import RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine
 from opentinker.environments.interaction import Interaction
 
@@ -135,7 +137,8 @@ class RLTrainer:
 
         actor_model = load_causal_lm(self.model_path, device=self.device, trust_remote_code=ar.model.trust_remote_code)
         self.eos_ids = eos_token_ids(self.tokenizer, actor_model)
-        self.workers: WorkerGroup = make_worker_group(cfg, actor_model, self.tokenizer.pad_token_id)
+        self.backend: TrainingBackend = make_backend(cfg, actor_model, self.tokenizer.pad_token_id)
+        self.ppo = PPOUpdate(self.backend, cfg, seed=cfg.trainer.seed)
         self.rollout: RolloutEngine = self._make_rollout_engine()
         self.agent_loops: AgentLoopRunner | None = None
         if self.interactions:
@@ -231,11 +234,6 @@ class RLTrainer:
                 token_rewards[row, position] = reward
         return token_rewards
 
-    def is_on_policy(self) -> bool:
-        """One epoch over one mini-batch: the update starts from the sampling policy itself."""
-        actor = self.cfg.actor_rollout_ref.actor
-        return actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == self.cfg.data.train_batch_size
-
     def compute_advantages(self, batch: TokenBatch, rollout: Rollout) -> dict[str, float]:
         algorithm = self.cfg.algorithm
         labels, label_metrics = None, {}
@@ -282,7 +280,8 @@ class RLTrainer:
         return labels, metrics
 
     def sync_weights(self) -> None:
-        self.rollout.update_weights(self.workers.state_dict())
+        """Stream the backend's weights into the rollout engine, bucket by bucket."""
+        self.rollout.update_weights(self.backend.weights())
 
     # -- one step ------------------------------------------------------------------
     def step(self, rows: Sequence[dict] | None = None) -> dict[str, Any]:
@@ -320,18 +319,16 @@ class RLTrainer:
         cfg = self.cfg
         temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
         batch = self.to_batch(rollout)
-        if not self.is_on_policy():
+        if self.ppo.needs_old_logprobs(batch):  # decided by the batch actually trained
             with timer.phase("old_logprob"):
-                batch.tensors["old_logprobs"] = self.workers.compute_logprobs(batch, temperature=temperature)["logprobs"]
+                batch.tensors["old_logprobs"] = self.ppo.logprobs(batch, temperature=temperature)
         if cfg.actor_rollout_ref.actor.use_kl_loss:
             with timer.phase("ref_logprob"):
-                batch.tensors["ref_logprobs"] = self.workers.compute_logprobs(
-                    batch, temperature=temperature, reference=True
-                )["logprobs"]
+                batch.tensors["ref_logprobs"] = self.ppo.logprobs(batch, temperature=temperature, reference=True)
         with timer.phase("advantages"):
             adv_metrics = self.compute_advantages(batch, rollout)
         with timer.phase("update"):
-            update_metrics = self.workers.update(batch, temperature=temperature)
+            update_metrics = self.ppo.update(batch, temperature=temperature)
         with timer.phase("sync"):
             self.sync_weights()
         return batch, {**adv_metrics, **update_metrics}
@@ -416,7 +413,7 @@ class RLTrainer:
         if not root:
             return None
         path = Path(root) / f"global_step_{self.global_step}" / "actor"
-        return self.workers.save_checkpoint(path, self.tokenizer)
+        return self.backend.export_hf(path, self.tokenizer)
 
     # -- the loop ------------------------------------------------------------------
     def train_step(self, rows: Sequence[dict] | None = None, *, save: bool = False) -> dict[str, Any]:
@@ -474,6 +471,7 @@ class RLTrainer:
             self.agent_loops.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        self.backend.close()
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -21,19 +21,18 @@ def engine(tiny_model, tiny_tokenizer):
     )
 
 
-def test_logprobs_match_the_policy_worker_at_temperature_one(engine, make_worker, arithmetic_prompt_ids):
+def test_logprobs_match_the_training_backend_at_temperature_one(engine, make_backend, arithmetic_prompt_ids):
     completions = engine.generate(arithmetic_prompt_ids, SamplingParams(temperature=1.0, max_tokens=12))
     batch = TokenBatch.from_responses(arithmetic_prompt_ids, [c.token_ids for c in completions])
-    worker = make_worker()
-    policy = worker.compute_logprobs(batch, temperature=1.0)["logprobs"]
+    policy = make_backend().forward(batch, temperature=1.0).logprobs
     rollout = batch.pad_response_values([c.logprobs for c in completions])
     assert torch.allclose(policy * batch.response_mask, rollout, atol=1e-5)
 
 
-def test_logprobs_are_temperature_scaled(engine, make_worker, arithmetic_prompt_ids):
+def test_logprobs_are_temperature_scaled(engine, make_backend, arithmetic_prompt_ids):
     completions = engine.generate(arithmetic_prompt_ids, SamplingParams(temperature=0.7, max_tokens=8))
     batch = TokenBatch.from_responses(arithmetic_prompt_ids, [c.token_ids for c in completions])
-    policy = make_worker().compute_logprobs(batch, temperature=0.7)["logprobs"]
+    policy = make_backend().forward(batch, temperature=0.7).logprobs
     assert torch.allclose(policy, batch.pad_response_values([c.logprobs for c in completions]), atol=1e-5)
 
 
@@ -100,18 +99,27 @@ def test_mixed_lengths_keep_prompts_apart(engine, tiny_tokenizer):
     assert alone.token_ids == together.token_ids
 
 
-def test_update_weights_changes_the_output(engine, make_worker, arithmetic_prompt_ids):
+def test_update_weights_streams_buckets_and_refuses_a_partial_sync(engine, make_backend, arithmetic_prompt_ids):
     params = SamplingParams(temperature=0, max_tokens=6)
     before = engine.generate(arithmetic_prompt_ids, params)
-    other = make_worker().model
+    backend = make_backend()
     with torch.no_grad():
-        for parameter in other.parameters():
+        for parameter in backend.model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.5)
-    engine.update_weights(other.state_dict())
+    buckets = list(backend.weights(bucket_bytes=1 << 16))
+    assert len(buckets) > 3  # streamed in pieces, not one dict
+    engine.update_weights(iter(buckets))
     after = engine.generate(arithmetic_prompt_ids, params)
     assert [c.token_ids for c in before] != [c.token_ids for c in after]
+    assert after == make_engine_like(engine, backend.model).generate(arithmetic_prompt_ids, params)
     with pytest.raises(KeyError, match="no tensor named"):
         engine.update_weights({"not.a.weight": torch.zeros(1)})
+    with pytest.raises(KeyError, match="no new value for"):
+        engine.update_weights(iter(buckets[:-1]))
+
+
+def make_engine_like(engine, model):
+    return TransformersRolloutEngine(model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
 
 
 def test_concurrent_requests_are_batched_together(engine, arithmetic_prompt_ids):

@@ -42,14 +42,14 @@ def test_reward_lands_on_the_last_model_token():
 def test_step_reports_every_phase_and_trains(tiny_model_dir):
     trainer = RLTrainer(make_config([*FAST, "actor_rollout_ref.actor.use_kl_loss=true",
                                      "actor_rollout_ref.actor.optim.lr=1e-3"]))
-    before = {k: v.clone() for k, v in trainer.workers.state_dict().items()}
+    before = {k: v.clone() for bucket in trainer.backend.weights() for k, v in bucket}
     metrics = trainer.step()
     for key in ("reward/mean", "reward/std", "actor/kl", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm",
                 "response_length/mean", "timing_s/rollout", "timing_s/ref_logprob", "timing_s/update",
                 "timing_s/sync", "perf/tokens_per_s"):
         assert key in metrics, key
     assert "timing_s/old_logprob" not in metrics  # on-policy: no separate old-logprob pass
-    after = trainer.workers.state_dict()
+    after = {k: v for bucket in trainer.backend.weights() for k, v in bucket}
     if metrics["reward/std"] > 0:  # some group had different rewards, so there was a gradient
         assert any(not torch.equal(before[k], after[k]) for k in before)
     # the rollout engine samples from the updated weights
@@ -60,6 +60,17 @@ def test_step_reports_every_phase_and_trains(tiny_model_dir):
 def test_off_policy_config_computes_old_logprobs(tiny_model_dir):
     trainer = RLTrainer(make_config([*FAST, "actor_rollout_ref.actor.ppo_epochs=2"]))
     metrics = trainer.step()
+    assert "timing_s/old_logprob" in metrics
+    assert metrics["actor/optimizer_steps"] == 2
+
+
+def test_a_pushed_batch_larger_than_a_mini_batch_is_trained_off_policy(tiny_model_dir):
+    """A client-mode push of 4 prompts to a job whose mini-batch is 2: two optimizer steps,
+    the second one off-policy, so the old-logprob pass must run (it was skipped before)."""
+    from opentinker.environments.arithmetic import make_problems
+
+    trainer = RLTrainer(make_config(FAST))
+    metrics = trainer.step([p.as_row() for p in make_problems(4, seed=9)])
     assert "timing_s/old_logprob" in metrics
     assert metrics["actor/optimizer_steps"] == 2
 

@@ -27,6 +27,8 @@ from opentinker.engine.algorithms.registry import RegisteredNames, Registry
 
 PolicyLossOutput = tuple[torch.Tensor, dict[str, float]]
 PolicyLossFn = Callable[..., PolicyLossOutput]
+#: ``(per-token losses [B, T], per-token stats {name: [B, T]}, float mask [B, T])``
+TokenLossOutput = tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]
 
 _REGISTRY: Registry[PolicyLossFn] = Registry("policy loss", config_key="actor_rollout_ref.actor.policy_loss")
 
@@ -65,8 +67,9 @@ def _constants(
     return old, adv, as_float_mask(response_mask, logprob)
 
 
-def _float(value: torch.Tensor) -> float:
-    return float(value.detach())
+def _token_means(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """Per-token stats as their mean over the model tokens (the metrics of the aggregate losses)."""
+    return {name: float(masked_mean(value.detach(), mask)) for name, value in stats.items()}
 
 
 @register_policy_loss("vanilla")
@@ -92,6 +95,26 @@ def vanilla(
     Metrics: ``pg_clipfrac`` = share of model tokens with ``l2 > l1``; ``pg_clipfrac_lower``
     = share with ``A < 0`` and ``c1 > l3``; ``ppo_kl`` = mean of ``-log_ratio``.
     """
+    losses, stats, mask = vanilla_token_losses(
+        old_logprob, logprob, advantages, response_mask,
+        clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+    )
+    return agg_loss(losses, mask, loss_agg_mode, loss_scale_factor), _token_means(stats, mask)
+
+
+def vanilla_token_losses(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    **_: Any,
+) -> TokenLossOutput:
+    """The per-token losses of :func:`vanilla` (before aggregation) and its per-token stats."""
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c (the dual-clip bound) must be greater than 1.0, got {clip_ratio_c}.")
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
@@ -106,14 +129,12 @@ def vanilla(
     clipped_twice = torch.minimum(dual_bound, clipped_once)
     negative = adv < 0
     losses = torch.where(negative, clipped_twice, clipped_once)
-
-    loss = agg_loss(losses, mask, loss_agg_mode, loss_scale_factor)
-    metrics = {
-        "pg_clipfrac": _float(masked_mean((clipped > unclipped).to(mask.dtype), mask)),
-        "ppo_kl": _float(masked_mean(-log_ratio, mask)),
-        "pg_clipfrac_lower": _float(masked_mean(((clipped_once > dual_bound) & negative).to(mask.dtype), mask)),
+    stats = {
+        "pg_clipfrac": (clipped > unclipped).to(mask.dtype),
+        "ppo_kl": -log_ratio.detach(),
+        "pg_clipfrac_lower": ((clipped_once > dual_bound) & negative).to(mask.dtype),
     }
-    return loss, metrics
+    return losses, stats, mask
 
 
 @register_policy_loss("gspo")
@@ -139,6 +160,26 @@ def gspo(
     ratio is defined per sequence, so ``loss_agg_mode`` is accepted but ignored.
     ``pg_clipfrac_lower`` is always 0 (no dual clip).
     """
+    losses, stats, mask = gspo_token_losses(
+        old_logprob, logprob, advantages, response_mask,
+        clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+    )
+    return agg_loss(losses, mask, "seq-mean-token-mean"), _token_means(stats, mask)
+
+
+def gspo_token_losses(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    **_: Any,
+) -> TokenLossOutput:
+    """The per-token losses of :func:`gspo` (each row holds a whole sequence, so the sequence
+    ratio is computed here) and its per-token stats."""
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     old, adv, mask = _constants(old_logprob, advantages, response_mask, logprob)
 
@@ -149,14 +190,12 @@ def gspo(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     losses = torch.maximum(unclipped, clipped)
-
-    loss = agg_loss(losses, mask, "seq-mean-token-mean")
-    metrics = {
-        "pg_clipfrac": _float(masked_mean((clipped > unclipped).to(mask.dtype), mask)),
-        "ppo_kl": _float(masked_mean(-token_log_ratio, mask)),
-        "pg_clipfrac_lower": 0.0,
+    stats = {
+        "pg_clipfrac": (clipped > unclipped).to(mask.dtype),
+        "ppo_kl": -token_log_ratio.detach(),
+        "pg_clipfrac_lower": torch.zeros_like(mask),
     }
-    return loss, metrics
+    return losses, stats, mask
 
 
 @register_policy_loss("cispo")
@@ -180,6 +219,25 @@ def cispo(
     constant, so every token keeps a gradient (``-w * A`` w.r.t. its log-prob).
     ``pg_clipfrac`` = share of model tokens whose ratio was clipped; ``pg_clipfrac_lower`` = 0.
     """
+    losses, stats, mask = cispo_token_losses(
+        old_logprob, logprob, advantages, response_mask,
+        clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+    )
+    return agg_loss(losses, mask, loss_agg_mode, loss_scale_factor), _token_means(stats, mask)
+
+
+def cispo_token_losses(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    **_: Any,
+) -> TokenLossOutput:
+    """The per-token losses of :func:`cispo` and its per-token stats."""
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     old, adv, mask = _constants(old_logprob, advantages, response_mask, logprob)
 
@@ -187,11 +245,20 @@ def cispo(
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - low, 1.0 + high)
     losses = -weight * adv * logprob
-
-    loss = agg_loss(losses, mask, loss_agg_mode, loss_scale_factor)
-    metrics = {
-        "pg_clipfrac": _float(masked_mean((ratio != weight).to(mask.dtype), mask)),
-        "ppo_kl": _float(masked_mean(-log_ratio, mask)),
-        "pg_clipfrac_lower": 0.0,
+    stats = {
+        "pg_clipfrac": (ratio != weight).to(mask.dtype),
+        "ppo_kl": -log_ratio,
+        "pg_clipfrac_lower": torch.zeros_like(mask),
     }
-    return loss, metrics
+    return losses, stats, mask
+
+
+#: The per-token form of each built-in policy loss, for callers that aggregate themselves
+#: (the training backends' sum-reduced losses, with weights chosen by the PPO recipe).
+POLICY_TOKEN_LOSSES: dict[str, Callable[..., TokenLossOutput]] = {
+    "vanilla": vanilla_token_losses,
+    "gspo": gspo_token_losses,
+    "cispo": cispo_token_losses,
+}
+#: Losses whose aggregation is fixed, whatever ``loss_agg_mode`` says.
+SEQUENCE_AGGREGATED_LOSSES = {"gspo": "seq-mean-token-mean"}

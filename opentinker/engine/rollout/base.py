@@ -11,13 +11,25 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, Union, runtime_checkable
 
 import torch
 
 FinishReason = Literal["stop", "length"]
+#: New weights: a mapping, or an iterable of buckets of ``(name, tensor)`` pairs (what a
+#: training backend's ``weights()`` yields), consumed one bucket at a time.
+WeightSource = Union[Mapping[str, torch.Tensor], Iterable[Iterable[tuple[str, torch.Tensor]]]]
+
+
+def named_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of a :data:`WeightSource`, in order."""
+    if isinstance(source, Mapping):
+        yield from source.items()
+        return
+    for bucket in source:
+        yield from bucket
 
 
 @dataclass(frozen=True)
@@ -70,8 +82,8 @@ class RolloutEngine(Protocol):
     ) -> list[Completion]:
         """One completion per prompt, in order."""
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load new policy weights (after a training step)."""
+    def update_weights(self, weights: WeightSource) -> None:
+        """Load new policy weights (after a training step): every tensor of the model, else an error."""
 
     def sleep(self) -> None:
         """Free accelerator memory between rollout phases (no-op on CPU)."""
@@ -114,9 +126,9 @@ class RequestBatcher:
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> Completion:
         return await asyncio.wrap_future(self.submit(prompt, params))
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(self, weights: WeightSource) -> None:
         with self._lock:
-            self.engine.update_weights(named_tensors)
+            self.engine.update_weights(weights)
 
     def close(self) -> None:
         self._queue.put(None)

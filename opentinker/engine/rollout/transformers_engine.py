@@ -8,12 +8,12 @@ batch with a few long completions does not pay for the short ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from opentinker.engine.rollout.base import Completion, SamplingParams
+from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -55,15 +55,21 @@ class TransformersRolloutEngine:
 
     # -- weights -------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(self, weights: WeightSource) -> None:
+        """Copy each streamed tensor in place; every tensor of the model must come (a partial
+        sync would leave a mix of old and new weights)."""
         # keep_vars: the live tensors, tied ones (lm_head = embeddings) under both names.
         targets = self.model.state_dict(keep_vars=True)
-        for name, tensor in named_tensors.items():
+        missing = set(targets)
+        for name, tensor in named_tensors(weights):
             target = targets.get(name)
             if target is None:
                 raise KeyError(f"update_weights: the rollout model has no tensor named '{name}'")
             if target.data_ptr() != tensor.data_ptr():
                 target.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise KeyError(f"update_weights: no new value for {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
 
     def sleep(self) -> None:
         """CPU memory is not reclaimed between phases; nothing to do."""

@@ -8,11 +8,11 @@ Weights are pushed in-process, so vLLM's engine-core multiprocessing is turned o
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from opentinker.engine.rollout.base import Completion, SamplingParams
+from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 
 
 def _require_vllm():
@@ -76,8 +76,8 @@ class VLLMRolloutEngine:
             completions.append(Completion(token_ids, logprobs, "stop" if sample.finish_reason == "stop" else "length"))
         return completions
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        self.llm.collective_rpc(_load_weights_on_worker, args=(dict(named_tensors),))
+    def update_weights(self, weights: WeightSource) -> None:
+        self.llm.collective_rpc(_load_weights_on_worker, args=(dict(named_tensors(weights)),))
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:

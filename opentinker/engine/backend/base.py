@@ -1,0 +1,108 @@
+"""The training primitives: what the PPO recipe (and, later, the Tinker API) drive a model with.
+
+One protocol, :class:`TrainingBackend`, whoever holds the model (one process, or N FSDP ranks):
+
+- ``forward(batch)`` -> per-token logprobs (and entropy) of the response tokens;
+- ``forward_backward(batch, loss_fn, loss_config)`` -> metrics and per-token outputs; the
+  loss is a **sum** over tokens of ``weights * elementwise_loss`` (``batch.tensors["weights"]``,
+  default the response mask), so the caller chooses the normalisation (e.g. ``1 / tokens in
+  the mini-batch`` for token-mean) and calls may be split freely: gradients accumulate
+  until the next ``optim_step``;
+- ``optim_step(AdamParams)`` -> metrics (grad norm, lr); the learning rate comes with every
+  call, so schedules belong to the caller;
+- ``weights()`` -> the full weights as size-bounded buckets of ``(name, tensor)``, for weight
+  sync and export, never one whole second state dict;
+- ``save_state(path)`` / ``load_state(path)``: weights, optimizer, RNG and step; ``export_hf(path)``.
+
+All per-token tensors are ``[B, R]``, aligned with ``TokenBatch.response_mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from opentinker.engine.batch import TokenBatch
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+WeightBucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One optimizer step's settings (AdamW). ``grad_clip``: max global grad norm (None: none)."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+
+
+@dataclass
+class ForwardOutput:
+    logprobs: torch.Tensor  # [B, R], 0 past each response
+    entropy: torch.Tensor | None = None  # [B, R] when asked for
+
+
+@dataclass
+class ForwardBackwardOutput:
+    """``metrics``: ``"loss:sum"`` (the summed, weighted loss) and ``"<stat>:sum"`` for each
+    per-token statistic of the loss, each summed with the same weights."""
+
+    logprobs: torch.Tensor  # [B, R], detached
+    elementwise_loss: torch.Tensor  # [B, R], before the weights
+    metrics: dict[str, float] = field(default_factory=dict)
+    entropy: torch.Tensor | None = None  # [B, R] when asked for
+
+
+class TrainingBackend(Protocol):
+    """What holds the policy (and its frozen reference) and trains it."""
+
+    step: int  # optimizer steps taken
+
+    def forward(
+        self, batch: TokenBatch, *, temperature: float = 1.0, reference: bool = False, with_entropy: bool = False
+    ) -> ForwardOutput: ...
+
+    def forward_backward(
+        self,
+        batch: TokenBatch,
+        loss_fn: str,
+        loss_config: Mapping[str, Any] | None = None,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> ForwardBackwardOutput: ...
+
+    def optim_step(self, params: AdamParams) -> dict[str, float]: ...
+
+    def weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]: ...
+
+    def save_state(self, path: str | Path) -> Path: ...
+
+    def load_state(self, path: str | Path) -> None: ...
+
+    def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path: ...
+
+    def close(self) -> None: ...
+
+
+def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a tensor larger
+    than that is a bucket of its own)."""
+    bucket: WeightBucket = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

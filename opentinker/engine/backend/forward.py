@@ -1,0 +1,93 @@
+"""Response-token logprobs (and entropy) of a causal LM on a :class:`TokenBatch`.
+
+Three input layouts give the same numbers: padded rows, one packed row (``use_remove_padding``:
+no compute on pad tokens, which pays with a varlen attention kernel) and a shared prompt
+prefix (GRPO's n samples of a prompt: the prompt runs once and its KV cache is expanded,
+differentiably, to every sample). Only the positions that predict response tokens go
+through the LM head.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from opentinker.engine.algorithms import entropy_from_logits
+from opentinker.engine.batch import ModelInputs, TokenBatch, packed_inputs, padded_inputs, shared_prefix_inputs
+
+
+@dataclass(frozen=True)
+class ResponseScorer:
+    pad_token_id: int
+    device: torch.device
+    use_remove_padding: bool = False
+    share_prompt_prefix: bool = True  # not with activation checkpointing (it re-runs layers without a cache)
+
+    def __call__(
+        self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropy) of each response token, [B, R]; 0 past each response."""
+        with self._autocast():
+            logits, targets, valid = self._response_logits(model, batch)
+        logits = logits.float() / temperature
+        targets, valid = targets.to(self.device), valid.to(self.device)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logprobs = logprobs * valid
+        entropy = entropy_from_logits(logits) * valid if with_entropy else None
+        return logprobs, entropy
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _inputs(self, batch: TokenBatch) -> ModelInputs:
+        return packed_inputs(batch) if self.use_remove_padding else padded_inputs(batch, self.pad_token_id)
+
+    def _response_logits(self, model: PreTrainedModel, batch: TokenBatch):
+        """[B, R, V] logits at the positions that predict each response token."""
+        repeated_prompts = len({tuple(p) for p in batch.prompt_ids}) < len(batch)
+        if not self.use_remove_padding and self.share_prompt_prefix and repeated_prompts:
+            return self._shared_prefix_logits(model, batch)
+        inputs = self._inputs(batch)
+        keep = inputs.logit_cols if inputs.attention_mask is not None else inputs.logit_cols.reshape(1, -1)
+        logits = model(
+            input_ids=inputs.input_ids.to(self.device),
+            position_ids=inputs.position_ids.to(self.device),
+            attention_mask=None if inputs.attention_mask is None else inputs.attention_mask.to(self.device),
+            logits_to_keep=keep.to(self.device),
+            use_cache=False,
+        ).logits
+        return logits.reshape(len(batch), batch.response_width, -1), inputs.targets, inputs.valid
+
+    def _shared_prefix_logits(self, model: PreTrainedModel, batch: TokenBatch):
+        inputs = shared_prefix_inputs(batch, self.pad_token_id)
+        device = self.device
+        prompt_out = model(
+            input_ids=inputs.prompt_ids.to(device),
+            attention_mask=inputs.prompt_attention_mask.to(device),
+            position_ids=inputs.prompt_position_ids.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        group_of_row = inputs.group_of_row.to(device)
+        first = prompt_out.logits[:, -1][group_of_row].unsqueeze(1)  # predicts response token 0
+        if inputs.response_input_ids.shape[1] == 0:
+            return first, inputs.targets, inputs.valid
+        cache = prompt_out.past_key_values
+        cache.batch_select_indices(group_of_row)
+        rest = model(
+            input_ids=inputs.response_input_ids.to(device),
+            attention_mask=inputs.attention_mask.to(device),
+            position_ids=inputs.response_position_ids.to(device),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        return torch.cat([first, rest], dim=1), inputs.targets, inputs.valid
+
+
+def pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))

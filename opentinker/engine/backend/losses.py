@@ -1,0 +1,159 @@
+"""The losses ``forward_backward`` can apply: per-token losses, summed with per-token weights.
+
+A loss is ``fn(logprobs, inputs, config, entropy) -> (elementwise [B, R], stats)`` where
+``inputs`` are the batch's per-token tensors (``response_mask`` among them), ``config`` its
+options and ``stats`` per-token statistics ``{name: [B, R]}``. The backend back-propagates ``sum(weights * elementwise)``
+and reports ``sum(weights * stat)`` for each stat: with weights that normalise over a
+mini-batch, those sums are the mini-batch's means however the batch is split.
+
+Built in (the Tinker API's semantics, ``r = exp(logprobs - old_logprobs)``):
+
+- ``cross_entropy``: ``-logp``;
+- ``importance_sampling``: ``-r * A`` (``old_logprobs`` are the sampler's);
+- ``ppo``: ``-min(r * A, clip(r, lo, hi) * A)`` with ``clip_low_threshold`` (0.8) and
+  ``clip_high_threshold`` (1.2);
+- ``cispo``: ``-sg(clip(r, lo, hi)) * logp * A``, same thresholds;
+- ``rl_policy``: the PPO recipe's loss: a policy loss of
+  :mod:`opentinker.engine.algorithms.policy_losses` (``policy_loss``: vanilla | gspo | cispo,
+  with ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``), plus
+  ``kl_loss_coef * KL(kl_loss_type)`` to ``ref_logprobs`` when ``use_kl_loss``, minus
+  ``entropy_coeff * entropy``. Without ``old_logprobs`` the ratio is 1 (on-policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opentinker.engine.algorithms.kl import kl_penalty
+from opentinker.engine.algorithms.policy_losses import POLICY_TOKEN_LOSSES
+
+Stats = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, Any], "torch.Tensor | None"],
+                  tuple[torch.Tensor, Stats]]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    fn: LossFn
+    inputs: tuple[str, ...]  # per-token tensors it needs besides the response mask
+    options: Mapping[str, Any]  # config keys it takes, with their defaults
+    needs_entropy: Callable[[Mapping[str, Any]], bool] = lambda config: False
+
+
+_LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, inputs: tuple[str, ...] = (), options: Mapping[str, Any] | None = None,
+                  needs_entropy: Callable[[Mapping[str, Any]], bool] | None = None) -> Callable[[LossFn], LossFn]:
+    """Decorator adding a sum-reduced loss under ``name``."""
+
+    def decorator(fn: LossFn) -> LossFn:
+        _LOSSES[name] = LossSpec(name, fn, tuple(inputs), dict(options or {}),
+                                 needs_entropy or (lambda config: False))
+        return fn
+
+    return decorator
+
+
+def loss_names() -> list[str]:
+    return sorted(_LOSSES)
+
+
+def resolve_loss(name: str, config: Mapping[str, Any] | None) -> tuple[LossSpec, dict[str, Any]]:
+    """The loss ``name`` and its full config (defaults filled in); ValueError naming what is
+    supported for an unknown loss or option."""
+    spec = _LOSSES.get(name)
+    if spec is None:
+        raise ValueError(f"unknown loss function {name!r}; supported: {', '.join(loss_names())}")
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(spec.options))
+    if unknown:
+        known = ", ".join(sorted(spec.options)) or "none"
+        raise ValueError(f"loss {name!r}: unknown option(s) {unknown}; it takes: {known}")
+    return spec, {**spec.options, **config}
+
+
+def check_inputs(spec: LossSpec, tensors: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+    for key in spec.inputs:
+        if key not in tensors:
+            raise ValueError(f"loss {spec.name!r} needs the per-token input {key!r}")
+    for key, tensor in tensors.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"per-token input {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+
+
+def _ratio(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return torch.exp(logprobs - inputs["old_logprobs"])
+
+
+@register_loss("cross_entropy")
+def cross_entropy(logprobs, inputs, config, entropy):
+    return -logprobs, {}
+
+
+@register_loss("importance_sampling", inputs=("old_logprobs", "advantages"))
+def importance_sampling(logprobs, inputs, config, entropy):
+    return -_ratio(logprobs, inputs) * inputs["advantages"], {}
+
+
+_THRESHOLDS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+
+@register_loss("ppo", inputs=("old_logprobs", "advantages"), options=_THRESHOLDS)
+def ppo(logprobs, inputs, config, entropy):
+    ratio, advantages = _ratio(logprobs, inputs), inputs["advantages"]
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    return -objective, {"clipfrac": (clipped != ratio).to(logprobs.dtype)}
+
+
+@register_loss("cispo", inputs=("old_logprobs", "advantages"), options=_THRESHOLDS)
+def cispo(logprobs, inputs, config, entropy):
+    ratio = _ratio(logprobs.detach(), inputs)
+    weight = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    return -weight * logprobs * inputs["advantages"], {"clipfrac": (weight != ratio).to(logprobs.dtype)}
+
+
+_RL_POLICY_OPTIONS = {
+    "policy_loss": "vanilla",
+    "clip_ratio": 0.2,
+    "clip_ratio_low": None,
+    "clip_ratio_high": None,
+    "clip_ratio_c": 3.0,
+    "entropy_coeff": 0.0,
+    "use_kl_loss": False,
+    "kl_loss_coef": 0.001,
+    "kl_loss_type": "low_var_kl",
+}
+
+
+@register_loss("rl_policy", inputs=("advantages",), options=_RL_POLICY_OPTIONS,
+               needs_entropy=lambda config: bool(config["entropy_coeff"]))
+def rl_policy(logprobs, inputs, config, entropy):
+    token_losses = POLICY_TOKEN_LOSSES.get(config["policy_loss"])
+    if token_losses is None:
+        raise ValueError(
+            f"policy loss {config['policy_loss']!r} has no per-token form; built-in: {', '.join(POLICY_TOKEN_LOSSES)}"
+        )
+    mask = inputs["response_mask"]  # GSPO's sequence ratio averages over the model tokens
+    old = inputs["old_logprobs"] if "old_logprobs" in inputs else logprobs.detach()  # on-policy: ratio 1
+    losses, stats, _ = token_losses(
+        old, logprobs, inputs["advantages"], mask,
+        clip_ratio=config["clip_ratio"], clip_ratio_low=config["clip_ratio_low"],
+        clip_ratio_high=config["clip_ratio_high"], clip_ratio_c=config["clip_ratio_c"],
+    )
+    stats = {**stats, "pg_loss": losses.detach()}
+    if config["entropy_coeff"]:
+        losses = losses - config["entropy_coeff"] * entropy
+    if config["use_kl_loss"]:
+        if "ref_logprobs" not in inputs:
+            raise ValueError("loss 'rl_policy' with use_kl_loss needs the per-token input 'ref_logprobs'")
+        kl = kl_penalty(logprobs, inputs["ref_logprobs"], config["kl_loss_type"])
+        losses = losses + config["kl_loss_coef"] * kl
+        stats["kl"] = kl.detach()
+    return losses, stats

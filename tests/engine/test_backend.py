@@ -1,0 +1,240 @@
+"""The training primitives on the real tiny model (LocalBackend): logprob paths, sum-reduced
+losses, the optimizer step, weights and state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from opentinker.engine.backend import AdamParams, LocalBackend
+from opentinker.engine.batch import TokenBatch, packed_inputs, padded_inputs
+from opentinker.engine.model_loading import ModelLoadError, load_causal_lm, resolve_model_path
+
+
+@pytest.fixture
+def batch(arithmetic_prompt_ids):
+    """Responses of different lengths, one with an environment-token hole in its mask."""
+    responses = [[17, 18, 19], [20, 21, 22, 23, 24, 25], [26], [27, 28, 29, 30], [31, 32], [33, 34, 35]]
+    masks = [[1, 1, 1], [1, 1, 0, 0, 1, 1], [1], [1, 1, 1, 1], [1, 1], [1, 0, 1]]
+    return TokenBatch.from_responses(arithmetic_prompt_ids, responses, masks)
+
+
+@pytest.fixture
+def grouped_batch(arithmetic_prompt_ids):
+    """GRPO-shaped: 3 prompts x 3 samples, ragged responses, a mask hole, a one-token response."""
+    prompts = [p for p in arithmetic_prompt_ids[:3] for _ in range(3)]
+    responses = [[17, 18, 19], [20, 21, 22, 23, 24], [26], [27, 28], [29, 30, 31, 32], [33],
+                 [34, 35, 36, 37, 38, 39], [40], [41, 42]]
+    masks = [[1] * len(r) for r in responses]
+    masks[1] = [1, 1, 0, 0, 1]
+    return TokenBatch.from_responses(prompts, responses, masks)
+
+
+PATHS = {
+    "shared_prefix": ["actor_rollout_ref.model.share_prompt_prefix=true"],
+    "padded": ["actor_rollout_ref.model.share_prompt_prefix=false"],
+    "packed": ["actor_rollout_ref.model.use_remove_padding=true"],
+}
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_grads(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = float(a[name].abs().max())
+        assert float((a[name] - b[name]).abs().max()) <= 1e-4 * scale + 1e-8, name
+
+
+# -- forward -------------------------------------------------------------------------
+
+
+def test_shared_prefix_padded_and_packed_logprobs_agree(make_backend, grouped_batch):
+    results = {name: make_backend(*flags).forward(grouped_batch, temperature=0.8, with_entropy=True)
+               for name, flags in PATHS.items()}
+    for name in ("shared_prefix", "packed"):
+        assert torch.allclose(results[name].logprobs, results["padded"].logprobs, atol=1e-5), name
+        assert torch.allclose(results[name].entropy, results["padded"].entropy, atol=1e-5), name
+    padded = results["padded"].logprobs
+    assert padded[2, 1:].abs().sum() == 0 and (padded[0, :3] < 0).all()  # exactly zero past a response
+
+
+def test_shared_prefix_handles_one_token_responses(make_backend, arithmetic_prompt_ids):
+    batch = TokenBatch.from_responses([arithmetic_prompt_ids[0]] * 2 + [arithmetic_prompt_ids[1]] * 2,
+                                      [[5], [6], [7], [8]])
+    shared = make_backend(*PATHS["shared_prefix"]).forward(batch).logprobs
+    padded = make_backend(*PATHS["padded"]).forward(batch).logprobs
+    assert shared.shape == (4, 1) and torch.allclose(shared, padded, atol=1e-5)
+
+
+def test_packed_inputs_restart_positions_and_compute_no_padding(batch):
+    packed = packed_inputs(batch)
+    padded = padded_inputs(batch, pad_token_id=0)
+    total_tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    assert packed.input_ids.shape == (1, total_tokens)
+    assert padded.input_ids.numel() > total_tokens
+    assert (packed.position_ids == 0).sum() == len(batch)
+
+
+def test_backend_without_reference_says_so(make_backend, batch):
+    with pytest.raises(RuntimeError, match="no reference model"):
+        make_backend().forward(batch, reference=True)
+
+
+# -- forward_backward: sum-reduced losses ---------------------------------------------
+
+
+def _tinker_inputs(batch: TokenBatch, logprobs: torch.Tensor) -> TokenBatch:
+    generator = torch.Generator().manual_seed(3)
+    batch.tensors["advantages"] = torch.randn(batch.response_mask.shape, generator=generator) * batch.response_mask
+    batch.tensors["old_logprobs"] = (logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator)) * batch.response_mask
+    batch.tensors["weights"] = batch.response_mask * torch.rand(batch.response_mask.shape, generator=generator)
+    return batch
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo"])
+def test_tinker_losses_are_weighted_sums_over_tokens(make_backend, batch, loss_fn):
+    backend = make_backend()
+    logprobs = backend.forward(batch).logprobs
+    _tinker_inputs(batch, logprobs)
+    w, adv, old = batch.tensors["weights"], batch.tensors["advantages"], batch.tensors["old_logprobs"]
+    ratio = torch.exp(logprobs - old)
+    expected_elementwise = {
+        "cross_entropy": -logprobs,
+        "importance_sampling": -ratio * adv,
+        "ppo": -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv),
+        "cispo": -ratio.clamp(0.8, 1.2) * logprobs * adv,
+    }[loss_fn]
+    out = backend.forward_backward(batch, loss_fn)
+    assert torch.allclose(out.logprobs, logprobs, atol=1e-5)
+    assert torch.allclose(out.elementwise_loss * batch.response_mask, expected_elementwise * batch.response_mask,
+                          atol=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(float((expected_elementwise * w).sum()), abs=1e-4)
+
+
+def test_cispo_gradient_treats_the_clipped_ratio_as_a_constant(make_backend, batch):
+    """d/d(logp) of -sg(clip(r)) * logp * A is -clip(r) * A: compare with the cross-entropy
+    gradient weighted by clip(r) * A, which is the same function of the model's weights."""
+    cispo, reference = make_backend(), make_backend()
+    logprobs = cispo.forward(batch).logprobs
+    _tinker_inputs(batch, logprobs)
+    cispo.forward_backward(batch, "cispo")
+    ratio = torch.exp(logprobs - batch.tensors["old_logprobs"])
+    weighted = batch.select(range(len(batch)))
+    weighted.tensors = {"weights": batch.tensors["weights"] * ratio.clamp(0.8, 1.2) * batch.tensors["advantages"]}
+    reference.forward_backward(weighted, "cross_entropy")
+    assert_close_grads(grads(cispo.model), grads(reference.model))
+
+
+def test_gradients_accumulate_across_calls_until_the_step(make_backend, batch):
+    whole, pieces = make_backend(), make_backend()
+    whole.forward_backward(batch, "cross_entropy")
+    for part in batch.split(2):
+        pieces.forward_backward(part, "cross_entropy")
+    assert_close_grads(grads(whole.model), grads(pieces.model))
+    whole.optim_step(AdamParams(lr=1e-3))
+    assert grads(whole.model) == {}  # cleared by the step
+
+
+def test_loss_errors_name_what_is_supported(make_backend, batch):
+    backend = make_backend()
+    with pytest.raises(ValueError, match="unknown loss function 'dro'; supported: cispo, cross_entropy"):
+        backend.forward_backward(batch, "dro")
+    with pytest.raises(ValueError, match="loss 'ppo': unknown option"):
+        backend.forward_backward(batch, "ppo", {"clip_ratio": 0.3})
+    with pytest.raises(ValueError, match="loss 'importance_sampling' needs the per-token input 'old_logprobs'"):
+        backend.forward_backward(batch, "importance_sampling")
+
+
+# -- optim_step ---------------------------------------------------------------------
+
+
+def test_optim_step_clips_then_takes_one_adamw_step(make_backend, batch, tiny_model_dir):
+    backend = make_backend()
+    backend.forward_backward(batch, "cross_entropy")
+    raw = grads(backend.model)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in raw.values()))
+    # The same step by hand: gradients scaled to the clip norm, then torch's AdamW.
+    twin = load_causal_lm(str(tiny_model_dir))
+    for name, p in twin.named_parameters():
+        p.grad = raw[name] * (1e-3 / (norm + 1e-6))
+    torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1).step()
+    metrics = backend.optim_step(AdamParams(lr=1e-2, weight_decay=0.1, grad_clip=1e-3))
+    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-5) and metrics["skipped_nonfinite"] == 0
+    for (name, a), b in zip(backend.model.named_parameters(), twin.parameters()):
+        assert torch.allclose(a, b, atol=1e-7), name
+    assert backend.step == 1
+
+
+def test_a_nonfinite_gradient_skips_the_step(make_backend, batch):
+    backend = make_backend()
+    before = {k: v.clone() for bucket in backend.weights() for k, v in bucket}
+    backend.forward_backward(batch, "cross_entropy")
+    next(backend.model.parameters()).grad[0, 0] = float("nan")
+    metrics = backend.optim_step(AdamParams(lr=1e-2))
+    assert metrics["skipped_nonfinite"] == 1 and backend.step == 0
+    assert all(torch.equal(before[k], v) for bucket in backend.weights() for k, v in bucket)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(make_backend, batch):
+    plain = make_backend()
+    checkpointed = make_backend("actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    for backend in (plain, checkpointed):
+        backend.forward_backward(batch, "cross_entropy")
+    assert_close_grads(grads(plain.model), grads(checkpointed.model))
+
+
+# -- weights and state ---------------------------------------------------------------
+
+
+def test_weights_stream_in_size_bounded_buckets(make_backend):
+    backend = make_backend()
+    state = backend.model.state_dict()
+    buckets = list(backend.weights(bucket_bytes=1 << 16))
+    assert [name for bucket in buckets for name, _ in bucket] == list(state)
+    for bucket in buckets:
+        if len(bucket) > 1:
+            assert sum(t.numel() * t.element_size() for _, t in bucket) <= 1 << 16
+    assert all(torch.equal(t, state[name]) for bucket in buckets for name, t in bucket)
+
+
+def test_state_round_trips_weights_optimizer_rng_and_step(make_backend, batch, tmp_path):
+    trained = make_backend()
+    trained.forward_backward(batch, "cross_entropy")
+    trained.optim_step(AdamParams(lr=1e-2))
+    torch.manual_seed(123)
+    trained.save_state(tmp_path / "state")
+    expected_rng = torch.rand(3)
+    restored = make_backend()
+    restored.load_state(tmp_path / "state")
+    assert torch.equal(torch.rand(3), expected_rng) and restored.step == 1
+    for backend in (trained, restored):  # the next step is the same step
+        backend.forward_backward(batch, "cross_entropy")
+        backend.optim_step(AdamParams(lr=1e-2))
+    for (name, a), b in zip(trained.model.state_dict().items(), restored.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_export_round_trips_as_a_hugging_face_folder(make_backend, tiny_tokenizer, tmp_path):
+    backend = make_backend()
+    path = backend.export_hf(tmp_path / "actor", tiny_tokenizer)
+    reloaded = load_causal_lm(str(path))
+    for (name, a), b in zip(backend.model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert (path / "tokenizer_config.json").exists()
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "no-such-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_path(str(tmp_path / "empty"))
+
+
+def test_local_backend_is_the_configured_default(make_backend):
+    assert isinstance(make_backend(), LocalBackend)
