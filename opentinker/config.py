@@ -50,7 +50,9 @@ DEFAULTS: dict[str, Any] = {
             "trust_remote_code": False,
         },
         "actor": {
-            "strategy": "local",  # "local" (one in-process worker); FSDP comes later
+            # local: one model in this process; fsdp: trainer.nnodes x trainer.n_gpus_per_node FSDP2
+            # ranks as Ray actors (with trainer.device=cpu, that many CPU processes on gloo)
+            "strategy": "local",
             "ppo_mini_batch_size": 8,  # in prompts, as in verl (x rollout.n samples)
             "ppo_micro_batch_size": 64,  # in samples, per forward/backward
             "ppo_epochs": 1,
@@ -179,7 +181,7 @@ TYPES: dict[str, type] = {
 #: estimator or policy loss registered in-process is a valid value too.
 CHOICES: dict[str, list[str]] = {
     "data.task": ["arithmetic"],
-    "actor_rollout_ref.actor.strategy": ["local"],
+    "actor_rollout_ref.actor.strategy": ["local", "fsdp"],
     "actor_rollout_ref.actor.policy_loss": ["vanilla", "gspo", "cispo"],
     "actor_rollout_ref.actor.loss_agg_mode": [
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
@@ -498,6 +500,11 @@ def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None
         raise ConfigError(
             "actor_rollout_ref.rollout.val_n > 1 needs actor_rollout_ref.rollout.val_temperature > 0 "
             "(greedy samples would all be the same)"
+        )
+    if cfg.actor_rollout_ref.actor.strategy == "fsdp" and cfg.trainer.n_gpus_per_node < 1:
+        raise ConfigError(
+            "actor_rollout_ref.actor.strategy=fsdp needs trainer.n_gpus_per_node >= 1 (ranks per node; with "
+            "trainer.device=cpu, CPU processes)"
         )
     betas = list(cfg.actor_rollout_ref.actor.optim.betas)
     if len(betas) != 2 or not all(_type_ok(float, b) and 0 <= b < 1 for b in betas):

@@ -66,27 +66,25 @@ def arithmetic_prompt_ids(tiny_tokenizer):
 @pytest.fixture
 def make_backend(tiny_model_dir, tiny_tokenizer):
     """``make_backend(*overrides)``: the configured training backend on a fresh copy of the tiny model."""
+    import torch
+
     from opentinker.config import make_config
     from opentinker.engine.backend import make_backend as build
-    from opentinker.engine.model_loading import load_causal_lm
 
     def make(*overrides: str):
         cfg = make_config(list(overrides))
-        return build(cfg, load_causal_lm(str(tiny_model_dir)), tiny_tokenizer.pad_token_id)
+        return build(cfg, str(tiny_model_dir), tiny_tokenizer.pad_token_id, torch.device("cpu"))
 
     return make
 
 
-@pytest.fixture
-def make_ppo(tiny_model_dir, tiny_tokenizer):
-    """``make_ppo(*overrides)``: a PPO recipe over a fresh backend (its ``.backend``)."""
-    from opentinker.config import make_config
-    from opentinker.engine.backend import make_backend as build
-    from opentinker.engine.model_loading import load_causal_lm
-    from opentinker.engine.ppo import PPOUpdate
-
-    def make(*overrides: str):
-        cfg = make_config(list(overrides))
-        return PPOUpdate(build(cfg, load_causal_lm(str(tiny_model_dir)), tiny_tokenizer.pad_token_id), cfg)
-
-    return make
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (FSDP ranks, server job actors); its address."""
+    ray = pytest.importorskip("ray")
+    # Logical CPUs: FSDP placement groups reserve one per rank while job actors hold none.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="opentinker-tests")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

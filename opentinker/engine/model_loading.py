@@ -69,12 +69,17 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str) -> list[int]:
     """Every id that ends an assistant turn: the tokenizer's eos and the generation config's."""
+    from transformers import GenerationConfig
+
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    generation_eos = getattr(model.generation_config, "eos_token_id", None)
+    try:
+        generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos is all there is
+        generation_eos = None
     if isinstance(generation_eos, int):
         ids.add(generation_eos)
     elif generation_eos:

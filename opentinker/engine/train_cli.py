@@ -27,7 +27,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     parser.add_argument("--metrics-out", type=Path, help="write every step's metrics to this JSONL file")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelLoadError) as error:
         print(f"opentinker-train: {error}", file=sys.stderr)
         return 2
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()  # stops agent-loop threads and FSDP ranks
     if args.metrics_out:
         args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
         args.metrics_out.write_text("".join(json.dumps(m) + "\n" for m in history))

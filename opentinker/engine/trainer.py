@@ -135,9 +135,8 @@ class RLTrainer:
         self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, cfg.data.max_prompt_length, "val", data_free)
         self.loader = iter(PromptLoader(self.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed))
 
-        actor_model = load_causal_lm(self.model_path, device=self.device, trust_remote_code=ar.model.trust_remote_code)
-        self.eos_ids = eos_token_ids(self.tokenizer, actor_model)
-        self.backend: TrainingBackend = make_backend(cfg, actor_model, self.tokenizer.pad_token_id)
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
+        self.backend: TrainingBackend = make_backend(cfg, self.model_path, self.tokenizer.pad_token_id, self.device)
         self.ppo = PPOUpdate(self.backend, cfg, seed=cfg.trainer.seed)
         self.rollout: RolloutEngine = self._make_rollout_engine()
         self.agent_loops: AgentLoopRunner | None = None

@@ -314,6 +314,22 @@ class JobManager:
     def is_active(self, job_id: str) -> bool:
         return job_id in self._active
 
+    def placement_problem(self, cfg: Any) -> str | None:
+        """Why the Ray cluster could never place the job's FSDP ranks (one GPU each, or one
+        CPU each on CPU), or None. Checked against the cluster's total, not what is free now:
+        a job that must wait for other jobs to end is fine, one that can never start is not."""
+        if cfg.actor_rollout_ref.actor.strategy != "fsdp":
+            return None
+        ranks = int(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
+        total = ray.cluster_resources()
+        gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and total.get("GPU", 0) > 0)
+        resource = "GPU" if gpu else "CPU"
+        have = total.get(resource, 0)
+        if have >= ranks:
+            return None
+        return (f"actor_rollout_ref.actor.strategy=fsdp with trainer.nnodes x trainer.n_gpus_per_node = {ranks} "
+                f"ranks needs {ranks} {resource} in this server's Ray cluster, which has {have:g}")
+
     def running_count(self, user_id: int) -> int:
         return sum(1 for job in self._active.values() if job.user_id == user_id)
 

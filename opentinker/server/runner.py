@@ -43,8 +43,11 @@ class JobRunner:
     @staticmethod
     def ray_actor_options(spec: dict[str, Any]) -> dict[str, Any]:
         """Ray resources for the job's actor: GPUs when the job asks for them (Ray hides GPUs
-        from actors that do not reserve any)."""
-        gpus = flatten(spec.get("config") or {}).get("trainer.n_gpus_per_node") or 0
+        from actors that do not reserve any). With FSDP the ranks reserve their own."""
+        config = flatten(spec.get("config") or {})
+        if config.get("actor_rollout_ref.actor.strategy") == "fsdp":
+            return {}
+        gpus = config.get("trainer.n_gpus_per_node") or 0
         return {"num_gpus": gpus} if gpus > 0 else {}
 
     # -- called by the server ------------------------------------------------------

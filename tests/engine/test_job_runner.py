@@ -84,6 +84,8 @@ def test_interaction_class_paths_go_through_the_allowlist(tmp_path):
 def test_gpu_jobs_reserve_gpus_for_their_actor():
     assert JobRunner.ray_actor_options({"config": {"trainer.n_gpus_per_node": 1}}) == {"num_gpus": 1}
     assert JobRunner.ray_actor_options({"config": {}}) == {}
+    fsdp = {"actor_rollout_ref.actor.strategy": "fsdp", "trainer.n_gpus_per_node": 2}
+    assert JobRunner.ray_actor_options({"config": fsdp}) == {}  # its ranks reserve the GPUs
 
 
 def test_an_env_outage_skips_steps_with_events_then_fails_naming_the_endpoint(tiny_model_dir, tmp_path):

@@ -236,16 +236,12 @@ def recording_service() -> Iterator[tuple[str, list[dict]]]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[str]:
-    """One local Ray for the whole session; the test servers use it instead of their own."""
+def ray_cluster(ray_session) -> str:
+    """The session's Ray (tests/conftest.py); the test servers use it instead of their own."""
     # The stand-in lives in this conftest, which Ray's workers cannot import by name:
     # ship its code by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="opentinker-tests")
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    return ray_session
 
 
 @pytest.fixture(scope="session")

@@ -290,7 +290,7 @@ def test_14_bodies_past_the_limit_get_413(start_server, tmp_path, helpers):
         ("actor_rollout_ref.actor.policy_loss", "vanila", "vanilla"),
         ("actor_rollout_ref.actor.loss_agg_mode", "token_mean", "token-mean"),
         ("actor_rollout_ref.actor.kl_loss_type", "k4", None),
-        ("actor_rollout_ref.actor.strategy", "fsdp", None),
+        ("actor_rollout_ref.actor.strategy", "deepspeed", None),
         ("actor_rollout_ref.rollout.name", "sglang", None),
         ("actor_rollout_ref.actor.optim.warmup_style", "linear", None),
     ],

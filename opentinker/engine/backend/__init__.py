@@ -1,9 +1,10 @@
-"""Training primitives behind one protocol (see :mod:`.base`): ``LocalBackend`` today."""
+"""Training primitives behind one protocol (see :mod:`.base`): ``LocalBackend`` (one process)
+and ``FSDPBackend`` (N FSDP2 ranks as Ray actors), chosen by ``actor_rollout_ref.actor.strategy``."""
 
 from __future__ import annotations
 
+import torch
 from omegaconf import DictConfig
-from transformers import PreTrainedModel
 
 from opentinker.engine.backend.base import (
     DEFAULT_BUCKET_BYTES,
@@ -33,16 +34,34 @@ __all__ = [
 ]
 
 
-def make_backend(cfg: DictConfig, model: PreTrainedModel, pad_token_id: int) -> TrainingBackend:
-    """The backend ``actor_rollout_ref.actor.strategy`` names, holding ``model``."""
+def make_backend(cfg: DictConfig, model_path: str, pad_token_id: int, device: torch.device) -> TrainingBackend:
+    """The backend ``actor_rollout_ref.actor.strategy`` names, for the model at ``model_path``:
+    ``local`` loads it here; ``fsdp`` starts ``trainer.nnodes x trainer.n_gpus_per_node`` ranks
+    that load it themselves (this process never holds it)."""
     ar = cfg.actor_rollout_ref
-    if ar.actor.strategy != "local":
-        raise ValueError(f"actor_rollout_ref.actor.strategy: unknown strategy {ar.actor.strategy!r} (local)")
-    return LocalBackend(
-        model,
+    common = dict(
         pad_token_id=pad_token_id,
         with_reference=bool(ar.actor.use_kl_loss),
         use_remove_padding=bool(ar.model.use_remove_padding),
         share_prompt_prefix=bool(ar.model.share_prompt_prefix),
-        gradient_checkpointing=bool(ar.model.enable_gradient_checkpointing),
     )
+    if ar.actor.strategy == "local":
+        from opentinker.engine.model_loading import load_causal_lm
+
+        model = load_causal_lm(model_path, device=device, trust_remote_code=ar.model.trust_remote_code)
+        return LocalBackend(model, gradient_checkpointing=bool(ar.model.enable_gradient_checkpointing), **common)
+    if ar.actor.strategy == "fsdp":
+        from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+
+        fsdp = ar.actor.fsdp_config
+        options = FSDPOptions(
+            model_path=model_path,
+            device=cfg.trainer.device,  # the ranks' own devices, whatever this process has
+            trust_remote_code=bool(ar.model.trust_remote_code),
+            gradient_checkpointing=bool(ar.model.enable_gradient_checkpointing),
+            param_offload=bool(fsdp.param_offload),
+            optimizer_offload=bool(fsdp.optimizer_offload),
+            **common,
+        )
+        return FSDPBackend(options, world_size=int(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node))
+    raise ValueError(f"actor_rollout_ref.actor.strategy: unknown strategy {ar.actor.strategy!r} (local | fsdp)")

@@ -136,7 +136,9 @@ class LocalBackend:
     def load_state(self, path: str | Path) -> None:
         state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=False)
         self.model.load_state_dict(state["model"])
-        if state["optimizer"] is not None:
+        if state["optimizer"] is None:
+            self.optimizer = None  # saved before the first step: so it is again
+        else:
             if self.optimizer is None:
                 self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=0.0)
             self.optimizer.load_state_dict(state["optimizer"])

@@ -127,6 +127,9 @@ async def create_job(
         raise ApiError(422, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
         raise ApiError(422, str(exc), {"field": "config"}) from exc
+    placement = manager.placement_problem(cfg)
+    if placement:
+        raise ApiError(422, placement, {"field": "config.trainer.n_gpus_per_node"})
     classes = interaction_classes(body.interactions, registry, policy)
     await _check_data(body, cfg, classes, request.app.state.tokenizers)
 

@@ -1,0 +1,394 @@
+"""``FSDPBackend``: the training primitives on N ranks, each a Ray actor holding an FSDP2 shard.
+
+The ranks sit in a placement group (``trainer.nnodes`` x ``trainer.n_gpus_per_node`` bundles:
+one GPU each, or one CPU each with ``trainer.device=cpu``) and form a process group (nccl on
+GPU, gloo on CPU). Each rank builds its own model: rank 0 loads the checkpoint, the others
+build on the meta device; every decoder layer and then the root are wrapped with
+``fully_shard``; the weights reach the other ranks from rank 0 (``set_model_state_dict``
+with ``broadcast_from_rank0``), so every rank ends up holding only its shard. The frozen
+reference model is sharded the same way on the same ranks.
+
+The driver (this object) splits each batch into contiguous row shards, one per rank, and
+never holds the model: ``weights()`` all-gathers one bucket of full tensors at a time onto
+rank 0 and hands it over. Losses are sums over tokens, so each rank back-propagates the sum
+over its rows; FSDP averages gradients over ranks, hence the factor ``world_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opentinker.engine.backend.base import (
+    DEFAULT_BUCKET_BYTES,
+    AdamParams,
+    ForwardBackwardOutput,
+    ForwardOutput,
+    WeightBucket,
+)
+from opentinker.engine.backend.forward import ResponseScorer, pad_to
+from opentinker.engine.backend.losses import check_inputs, resolve_loss
+from opentinker.engine.batch import TokenBatch
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    model_path: str
+    pad_token_id: int
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl) | auto (cuda when the Ray cluster has GPUs)
+    trust_remote_code: bool = False
+    with_reference: bool = False
+    use_remove_padding: bool = False
+    share_prompt_prefix: bool = True
+    gradient_checkpointing: bool = False
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FSDPRank:
+    """One rank: its shard of the actor (and reference), its optimizer, its rows of each batch."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, options: FSDPOptions):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          RANK=str(rank), WORLD_SIZE=str(world_size))
+        self.rank, self.world_size, self.options = rank, world_size, options
+        cuda = options.device == "cuda"
+        if cuda:
+            torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.model = self._build(trainable=True)
+        self.reference = self._build(trainable=False) if options.with_reference else None
+        self.scorer = ResponseScorer(options.pad_token_id, self.device, options.use_remove_padding,
+                                     options.share_prompt_prefix and not options.gradient_checkpointing)
+        self.optimizer: torch.optim.AdamW | None = None
+        self.step = 0
+
+    def ready(self) -> int:
+        return self.rank
+
+    # -- building ------------------------------------------------------------------
+    def _build(self, trainable: bool):
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        options = self.options
+        if self.rank == 0:
+            model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=torch.float32,
+                                                         trust_remote_code=options.trust_remote_code)
+            full_state = model.state_dict()
+        else:  # no memory for weights this rank will only hold a shard of
+            config = AutoConfig.from_pretrained(options.model_path, trust_remote_code=options.trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                         trust_remote_code=options.trust_remote_code)
+            full_state = {}
+        if trainable and options.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+            model.config.use_cache = False
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        if self.device.type == "cuda":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if options.param_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        if self.rank == 0:
+            model.to(self.device if not options.param_offload else "cpu")
+        else:
+            model.to_empty(device=self.device if not options.param_offload else "cpu")
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
+                                                                          broadcast_from_rank0=True))
+        for _, buffer in model.named_buffers():  # non-persistent buffers (rotary) are not in a state dict
+            dist.broadcast(buffer, src=0)
+        if not trainable:
+            model.eval().requires_grad_(False)
+        return model
+
+    # -- primitives ----------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: TokenBatch, temperature: float, reference: bool, with_entropy: bool):
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("forward(reference=True) but this backend has no reference model")
+        model.eval()
+        logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
+        return logprobs.cpu(), None if entropy is None else entropy.cpu()
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None,
+                         temperature: float, with_entropy: bool):
+        spec, config = resolve_loss(loss_fn, loss_config)
+        self.model.train()
+        need_entropy = with_entropy or spec.needs_entropy(config)
+        logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy)
+        inputs = {name: t.to(self.device) for name, t in batch.tensors.items()}
+        inputs["response_mask"] = batch.response_mask.to(self.device)
+        elementwise, stats = spec.fn(logprobs, inputs, config, entropy)
+        weights = inputs.get("weights", inputs["response_mask"])
+        loss = (elementwise * weights).sum()
+        (loss * self.world_size).backward()  # FSDP averages gradients over the ranks; ours sum
+        if entropy is not None:
+            stats = {**stats, "entropy": entropy.detach()}
+        metrics = {"loss:sum": float(loss.detach())}
+        metrics.update({f"{name}:sum": float((value * weights).sum()) for name, value in stats.items()})
+        return (logprobs.detach().cpu(), elementwise.detach().cpu(), metrics,
+                None if entropy is None else entropy.detach().cpu())
+
+    def optim_step(self, params: AdamParams) -> dict[str, float]:
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(parameters, lr=params.lr)
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.lr, betas=tuple(params.betas), eps=params.eps, weight_decay=params.weight_decay)
+        max_norm = params.grad_clip if params.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # over the whole model (DTensors)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
+
+    # -- weights and state ----------------------------------------------------------
+    def tensor_sizes(self) -> list[tuple[str, int]]:
+        """Each distinct tensor of the full model (tied ones once) with its size in bytes."""
+        return [(name, t.numel() * t.element_size()) for name, t in _distinct(self.model.state_dict())]
+
+    def gather(self, names: list[str]) -> WeightBucket | None:
+        """Full tensors of ``names`` (every rank takes part); rank 0 returns them."""
+        state = self.model.state_dict()
+        out = []
+        for name in names:
+            tensor = state[name]
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.rank == 0:
+                out.append((name, full.detach().cpu()))
+        return out if self.rank == 0 else None
+
+    def save_state(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(path) / "dcp"))
+        torch.save({"rng": torch.get_rng_state(), "step": self.step,
+                    "has_optimizer": self.optimizer is not None},
+                   Path(path) / f"rank{self.rank}.pt")
+
+    def load_state(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        extra = torch.load(Path(path) / f"rank{self.rank}.pt", weights_only=False)
+        if not extra["has_optimizer"]:
+            self.optimizer = None  # saved before the first step: so it is again
+        elif self.optimizer is None:
+            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=0.0)
+        optimizers = [self.optimizer] if self.optimizer else []
+        model_state, optim_state = get_state_dict(self.model, optimizers)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+        set_state_dict(self.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        torch.set_rng_state(extra["rng"])
+        self.step = int(extra["step"])
+
+    def export_hf(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=full)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one (``model.model.layers`` for HF decoder LMs)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no model.layers to shard (FSDP needs a decoder-only HF model)")
+    return list(layers)
+
+
+def _distinct(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """State-dict entries with tied tensors (lm_head = embeddings) listed once."""
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        yield name, tensor
+
+
+def shard_rows(batch: TokenBatch, world_size: int) -> list[tuple[TokenBatch, int]]:
+    """Contiguous row shards, one per rank, as ``(shard, real_rows)``. FSDP's collectives need
+    every rank to run, so a rank without rows gets one row of zero weight to compute."""
+    bounds = [round(i * len(batch) / world_size) for i in range(world_size + 1)]
+    shards = []
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            shards.append((batch.select(range(start, end)), end - start))
+            continue
+        filler = batch.select([0])
+        filler.tensors = {**filler.tensors, "weights": torch.zeros_like(filler.response_mask)}
+        shards.append((filler, 0))
+    return shards
+
+
+class FSDPBackend:
+    """The driver side: a placement group of ``world_size`` FSDPRank actors."""
+
+    def __init__(self, options: FSDPOptions, world_size: int, *, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if world_size < 1:
+            raise ValueError(f"an FSDP backend needs at least one rank, got {world_size}")
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self.world_size = world_size
+        cuda = options.device == "cuda" or (options.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        options = dataclasses.replace(options, device="cuda" if cuda else "cpu")
+        bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
+        self._pg = placement_group([bundle] * world_size, strategy="PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._pg)
+            available = ray.available_resources()
+            resource = "GPU" if cuda else "CPU"
+            raise RuntimeError(
+                f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each (trainer.nnodes x "
+                f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"
+            ) from None
+        remote = ray.remote(FSDPRank)
+        master_port = _free_port()
+        self._ranks = [
+            remote.options(
+                num_cpus=1, num_gpus=1 if cuda else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(rank, world_size, "127.0.0.1", master_port, options)
+            for rank in range(world_size)
+        ]
+        self._call("ready")  # raises the first rank's construction error, if any
+        self.step = 0
+
+    def _call(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
+        import ray
+
+        calls = [getattr(rank, method).remote(*(per_rank[i] if per_rank else args))
+                 for i, rank in enumerate(self._ranks)]
+        return ray.get(calls)
+
+    # -- primitives ----------------------------------------------------------------
+    def forward(self, batch: TokenBatch, *, temperature: float = 1.0, reference: bool = False,
+                with_entropy: bool = False) -> ForwardOutput:
+        shards = shard_rows(batch, self.world_size)
+        results = self._call("forward", per_rank=[(shard, temperature, reference, with_entropy) for shard, _ in shards])
+        logprobs = _join([r[0] for r in results], shards, batch.response_width)
+        entropy = _join([r[1] for r in results], shards, batch.response_width) if with_entropy else None
+        return ForwardOutput(logprobs, entropy)
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None = None, *,
+                         temperature: float = 1.0, with_entropy: bool = False) -> ForwardBackwardOutput:
+        spec, _ = resolve_loss(loss_fn, loss_config)  # refuse bad input here, not on every rank
+        check_inputs(spec, batch.tensors, tuple(batch.response_mask.shape))
+        shards = shard_rows(batch, self.world_size)
+        results = self._call("forward_backward", per_rank=[
+            (shard, loss_fn, loss_config, temperature, with_entropy) for shard, _ in shards])
+        metrics: dict[str, float] = {}
+        for _, _, rank_metrics, _ in results:
+            for key, value in rank_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        width = batch.response_width
+        return ForwardBackwardOutput(
+            _join([r[0] for r in results], shards, width), _join([r[1] for r in results], shards, width), metrics,
+            _join([r[3] for r in results], shards, width) if results[0][3] is not None else None,
+        )
+
+    def optim_step(self, params: AdamParams) -> dict[str, float]:
+        metrics = self._call("optim_step", params)[0]
+        self.step += int(not metrics["skipped_nonfinite"])
+        return metrics
+
+    # -- weights and state ----------------------------------------------------------
+    def weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+        import ray
+
+        plan: list[list[str]] = []
+        size = 0
+        for name, nbytes in ray.get(self._ranks[0].tensor_sizes.remote()):
+            if not plan or (size + nbytes > bucket_bytes and plan[-1]):
+                plan.append([])
+                size = 0
+            plan[-1].append(name)
+            size += nbytes
+        for names in plan:
+            yield self._call("gather", names)[0]
+
+    def save_state(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._call("save_state", str(path))
+        return path
+
+    def load_state(self, path: str | Path) -> None:
+        self._call("load_state", str(path))
+        self.step = int(torch.load(Path(path) / "rank0.pt", weights_only=False)["step"])
+
+    def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._call("export_hf", str(path))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return path
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not getattr(self, "_ranks", None):
+            return
+        try:
+            self._call("shutdown")
+        except Exception:  # a dead rank: kill the rest anyway
+            pass
+        for rank in self._ranks:
+            ray.kill(rank, no_restart=True)
+        self._ranks = []
+        remove_placement_group(self._pg)
+
+
+def _join(parts: list[torch.Tensor], shards: list[tuple[TokenBatch, int]], width: int) -> torch.Tensor:
+    return torch.cat([pad_to(part[:rows], width) for part, (_, rows) in zip(parts, shards)])

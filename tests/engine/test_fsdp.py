@@ -1,0 +1,120 @@
+"""FSDPBackend: 2 FSDP2 ranks (gloo, Ray actors) against LocalBackend on the same batches:
+same logprobs, same weights after an update, same ``weights()``, state and export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opentinker.engine.backend import AdamParams, LocalBackend
+from opentinker.engine.batch import TokenBatch
+from opentinker.engine.model_loading import load_causal_lm
+
+pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def fsdp(ray_session, tiny_model_dir, tiny_tokenizer):
+    from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+
+    backend = FSDPBackend(FSDPOptions(str(tiny_model_dir), tiny_tokenizer.pad_token_id, with_reference=True), 2)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def local(tiny_model_dir, tiny_tokenizer):
+    return LocalBackend(load_causal_lm(str(tiny_model_dir)), pad_token_id=tiny_tokenizer.pad_token_id,
+                        with_reference=True)
+
+
+@pytest.fixture
+def batch(arithmetic_prompt_ids):
+    prompts = [p for p in arithmetic_prompt_ids[:3] for _ in range(2)] + [arithmetic_prompt_ids[3]]
+    responses = [[17, 18, 19], [20, 21, 22, 23, 24], [26], [27, 28], [29, 30, 31, 32], [33], [34, 35]]
+    masks = [[1] * len(r) for r in responses]
+    masks[1] = [1, 1, 0, 0, 1]
+    batch = TokenBatch.from_responses(prompts, responses, masks)
+    batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch)).unsqueeze(-1) * batch.response_mask
+    batch.tensors["weights"] = batch.response_mask / batch.response_mask.sum()
+    return batch
+
+
+def all_weights(backend) -> dict[str, torch.Tensor]:
+    return {name: tensor for bucket in backend.weights(bucket_bytes=1 << 16) for name, tensor in bucket}
+
+
+def test_logprobs_match_the_local_backend(fsdp, local, batch):
+    for reference in (False, True):
+        sharded = fsdp.forward(batch, temperature=0.8, reference=reference, with_entropy=True)
+        single = local.forward(batch, temperature=0.8, reference=reference, with_entropy=True)
+        assert torch.allclose(sharded.logprobs, single.logprobs, atol=1e-5)
+        assert torch.allclose(sharded.entropy, single.entropy, atol=1e-5)
+    one_row = batch.select([2])  # fewer rows than ranks: the idle rank computes a zero-weight row
+    assert torch.allclose(fsdp.forward(one_row).logprobs, local.forward(one_row).logprobs, atol=1e-5)
+
+
+def test_one_update_gives_the_same_weights_and_weight_stream(fsdp, local, batch, tmp_path):
+    fsdp.save_state(tmp_path / "before")  # the module's backend goes back to its start below
+    before = all_weights(fsdp)
+    assert before.keys() == all_weights(local).keys()
+    assert all(torch.equal(before[name], t) for name, t in all_weights(local).items())
+    config = {"policy_loss": "vanilla", "use_kl_loss": True}
+    batch.tensors["ref_logprobs"] = local.forward(batch, reference=True).logprobs - 0.1 * batch.response_mask
+    outputs = [backend.forward_backward(batch, "rl_policy", config, with_entropy=True) for backend in (fsdp, local)]
+    assert outputs[0].metrics.keys() == outputs[1].metrics.keys()
+    for key in outputs[0].metrics:
+        assert outputs[0].metrics[key] == pytest.approx(outputs[1].metrics[key], abs=1e-5), key
+    assert torch.allclose(outputs[0].elementwise_loss, outputs[1].elementwise_loss, atol=1e-5)
+    # Adam's first step is lr * g / (|g| + eps): with the default eps it turns float noise in
+    # near-zero gradients (|g| ~ 1e-8, summed in another order on two ranks) into visible
+    # weight differences; a larger eps keeps the step a smooth function of the gradient.
+    params = AdamParams(lr=1e-3, weight_decay=0.01, grad_clip=1.0, eps=1e-3)
+    steps = [backend.optim_step(params) for backend in (fsdp, local)]
+    assert steps[0]["grad_norm"] == pytest.approx(steps[1]["grad_norm"], rel=1e-5)
+    after_fsdp, after_local = all_weights(fsdp), all_weights(local)
+    for name, tensor in after_local.items():
+        assert torch.allclose(after_fsdp[name], tensor, atol=1e-5), name
+    assert any(not torch.equal(after_fsdp[name], before[name]) for name in before)
+    fsdp.load_state(tmp_path / "before")
+    assert all(torch.equal(all_weights(fsdp)[name], t) for name, t in before.items())
+
+
+def test_state_round_trip_and_export(fsdp, batch, tmp_path, tiny_tokenizer):
+    fsdp.forward_backward(batch, "cross_entropy")
+    fsdp.optim_step(AdamParams(lr=1e-3))
+    fsdp.save_state(tmp_path / "state")
+    saved, step = all_weights(fsdp), fsdp.step
+    fsdp.forward_backward(batch, "cross_entropy")
+    fsdp.optim_step(AdamParams(lr=1e-3))
+    fsdp.load_state(tmp_path / "state")
+    assert fsdp.step == step and all(torch.equal(all_weights(fsdp)[n], t) for n, t in saved.items())
+    exported = load_causal_lm(str(fsdp.export_hf(tmp_path / "hf", tiny_tokenizer)))
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+def test_more_ranks_than_the_cluster_has_fail_fast_naming_the_resource(ray_session, tiny_model_dir, tiny_tokenizer):
+    from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+
+    with pytest.raises(RuntimeError, match=r"cannot place 64 FSDP ranks of 1 CPU each .* CPU available: \d"):
+        FSDPBackend(FSDPOptions(str(tiny_model_dir), tiny_tokenizer.pad_token_id), 64, placement_timeout_s=2)
+
+
+def test_the_train_cli_runs_with_two_cpu_ranks(tiny_model_dir, tmp_path):
+    """The issue's command, in a process of its own (it starts its own Ray)."""
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "opentinker.engine.train_cli", "actor_rollout_ref.actor.strategy=fsdp",
+         "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3",
+         "trainer.progress_bar=false", "--metrics-out", str(metrics)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2, 3]
+    assert all(row["actor/optimizer_steps"] == 1 for row in rows if "reward/mean" in row)
