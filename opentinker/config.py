@@ -48,6 +48,11 @@ DEFAULTS: dict[str, Any] = {
             "share_prompt_prefix": True,
             "enable_gradient_checkpointing": False,
             "trust_remote_code": False,
+            # LoRA (peft): > 0 trains rank-r adapters only; the reference policy is the base
+            # model with them disabled, and weight sync and exports are merged.
+            "lora_rank": 0,
+            "lora_alpha": 16,
+            "target_modules": "all-linear",  # or comma-separated module names, e.g. "q_proj,v_proj"
         },
         "actor": {
             # local: one model in this process; fsdp: trainer.nnodes x trainer.n_gpus_per_node FSDP2
@@ -210,6 +215,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "data.max_prompt_length": (1, 32768),
     "data.max_response_length": (1, 32768),
     "data.seed": (0, _INT31),
+    "actor_rollout_ref.model.lora_rank": (0, 1024),
+    "actor_rollout_ref.model.lora_alpha": (0, 4096),
     "actor_rollout_ref.actor.ppo_mini_batch_size": (1, 4096),
     "actor_rollout_ref.actor.ppo_micro_batch_size": (1, 4096),
     "actor_rollout_ref.actor.ppo_epochs": (1, 32),
@@ -253,6 +260,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "trainer.max_consecutive_empty_steps": (1, 1000),
 }
 _ABOVE_LOW = {
+    "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_low",
     "actor_rollout_ref.actor.clip_ratio_high",

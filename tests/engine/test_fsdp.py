@@ -118,3 +118,30 @@ def test_the_train_cli_runs_with_two_cpu_ranks(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2, 3]
     assert all(row["actor/optimizer_steps"] == 1 for row in rows if "reward/mean" in row)
+
+
+def test_lora_on_two_ranks_matches_lora_in_one_process(ray_session, tiny_model_dir, tiny_tokenizer, batch, tmp_path):
+    pytest.importorskip("peft")
+    from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+    from opentinker.engine.backend.lora import LoraSettings
+
+    lora = LoraSettings(rank=8)
+    local = LocalBackend(load_causal_lm(str(tiny_model_dir)), pad_token_id=tiny_tokenizer.pad_token_id,
+                         with_reference=True, lora=lora)
+    sharded = FSDPBackend(FSDPOptions(str(tiny_model_dir), tiny_tokenizer.pad_token_id, with_reference=True,
+                                      lora=lora), 2)
+    try:
+        for backend in (local, sharded):
+            backend.forward_backward(batch, "cross_entropy")
+            backend.optim_step(AdamParams(lr=1e-2, eps=1e-3))
+        merged_local, merged_sharded = all_weights(local), all_weights(sharded)
+        assert merged_local.keys() == merged_sharded.keys()
+        for name, tensor in merged_local.items():
+            assert torch.allclose(merged_sharded[name], tensor, atol=1e-5), name
+        assert torch.allclose(sharded.forward(batch, reference=True).logprobs,
+                              local.forward(batch, reference=True).logprobs, atol=1e-5)
+        exported = load_causal_lm(str(sharded.export_hf(tmp_path / "hf", tiny_tokenizer)))
+        assert all(torch.equal(t, merged_sharded[n]) for n, t in exported.state_dict().items())
+        assert (tmp_path / "hf" / "adapter" / "adapter_config.json").exists()
+    finally:
+        sharded.close()

@@ -258,3 +258,14 @@ def test_a_retried_create_with_the_same_idempotency_key_makes_one_job(alice, bob
     assert names.count("quick retried") == 1
     helpers.wait_status(alice, first.json()["job_id"], "completed")
     helpers.wait_status(bob, mine.json()["job_id"], "completed")
+
+
+def test_fsdp_jobs_the_cluster_cannot_place_are_refused_at_creation(alice):
+    config = {"actor_rollout_ref.actor.strategy": "fsdp", "trainer.device": "cpu", "trainer.n_gpus_per_node": 64}
+    response = alice.post("/v1/jobs", json={"config": config})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == (
+        "actor_rollout_ref.actor.strategy=fsdp with trainer.nnodes x trainer.n_gpus_per_node = 64 ranks needs "
+        "64 CPU in this server's Ray cluster, which has 4")
+    gpu = {**config, "trainer.device": "cuda", "trainer.n_gpus_per_node": 2}
+    assert "needs 2 GPU in this server's Ray cluster, which has 0" in alice.post("/v1/jobs", json={"config": gpu}).text

@@ -38,12 +38,17 @@ def make_backend(cfg: DictConfig, model_path: str, pad_token_id: int, device: to
     """The backend ``actor_rollout_ref.actor.strategy`` names, for the model at ``model_path``:
     ``local`` loads it here; ``fsdp`` starts ``trainer.nnodes x trainer.n_gpus_per_node`` ranks
     that load it themselves (this process never holds it)."""
+    from opentinker.engine.backend.lora import LoraSettings
+
     ar = cfg.actor_rollout_ref
+    lora = LoraSettings(int(ar.model.lora_rank), float(ar.model.lora_alpha), str(ar.model.target_modules),
+                        seed=int(cfg.trainer.seed)) if ar.model.lora_rank > 0 else None
     common = dict(
         pad_token_id=pad_token_id,
         with_reference=bool(ar.actor.use_kl_loss),
         use_remove_padding=bool(ar.model.use_remove_padding),
         share_prompt_prefix=bool(ar.model.share_prompt_prefix),
+        lora=lora,
     )
     if ar.actor.strategy == "local":
         from opentinker.engine.model_loading import load_causal_lm

@@ -35,6 +35,7 @@ from opentinker.engine.backend.base import (
     WeightBucket,
 )
 from opentinker.engine.backend.forward import ResponseScorer, pad_to
+from opentinker.engine.backend.lora import LoraSettings, MergeEntry, add_adapters, merge_plan, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss
 from opentinker.engine.batch import TokenBatch
 
@@ -53,6 +54,7 @@ class FSDPOptions:
     gradient_checkpointing: bool = False
     param_offload: bool = False
     optimizer_offload: bool = False
+    lora: LoraSettings | None = None
 
 
 def _free_port() -> int:
@@ -78,7 +80,11 @@ class FSDPRank:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.model = self._build(trainable=True)
-        self.reference = self._build(trainable=False) if options.with_reference else None
+        # With LoRA the reference is the base model with the adapters disabled: no second copy.
+        self.reference = self._build(trainable=False) if options.with_reference and not options.lora else None
+        self.plan: dict[str, MergeEntry] = {
+            entry.name: entry for entry in (merge_plan(self.model) if options.lora else
+                                            [MergeEntry(n, (n,)) for n, _ in _distinct(self.model.state_dict())])}
         self.scorer = ResponseScorer(options.pad_token_id, self.device, options.use_remove_padding,
                                      options.share_prompt_prefix and not options.gradient_checkpointing)
         self.optimizer: torch.optim.AdamW | None = None
@@ -109,6 +115,10 @@ class FSDPRank:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
             model.config.use_cache = False
+        if trainable and options.lora:
+            model = add_adapters(model, options.lora)
+            if self.rank == 0:
+                full_state = model.state_dict()  # the adapters' initial values go to every rank
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         if self.device.type == "cuda":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -132,11 +142,14 @@ class FSDPRank:
     # -- primitives ----------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: TokenBatch, temperature: float, reference: bool, with_entropy: bool):
-        model = self.reference if reference else self.model
-        if model is None:
+        import contextlib
+
+        if reference and not self.options.with_reference:
             raise RuntimeError("forward(reference=True) but this backend has no reference model")
+        model = self.reference if reference and self.reference is not None else self.model
         model.eval()
-        logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
+        with self.model.disable_adapter() if reference and self.options.lora else contextlib.nullcontext():
+            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
         return logprobs.cpu(), None if entropy is None else entropy.cpu()
 
     def forward_backward(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None,
@@ -176,19 +189,26 @@ class FSDPRank:
 
     # -- weights and state ----------------------------------------------------------
     def tensor_sizes(self) -> list[tuple[str, int]]:
-        """Each distinct tensor of the full model (tied ones once) with its size in bytes."""
-        return [(name, t.numel() * t.element_size()) for name, t in _distinct(self.model.state_dict())]
+        """Each tensor of the full (with LoRA: merged) model, tied ones once, with its size in bytes."""
+        state = self._source_state()
+        return [(name, state[entry.sources[0]].numel() * state[entry.sources[0]].element_size())
+                for name, entry in self.plan.items()]
 
     def gather(self, names: list[str]) -> WeightBucket | None:
-        """Full tensors of ``names`` (every rank takes part); rank 0 returns them."""
-        state = self.model.state_dict()
+        """Full (merged) tensors of ``names`` (every rank takes part); rank 0 returns them."""
+        state = self._source_state()
         out = []
         for name in names:
-            tensor = state[name]
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            entry = self.plan[name]
+            full = {source: _full(state[source]) for source in entry.sources}
             if self.rank == 0:
-                out.append((name, full.detach().cpu()))
+                out.append((name, merged_tensor(entry, full).cpu()))
         return out if self.rank == 0 else None
+
+    def _source_state(self) -> dict[str, torch.Tensor]:
+        """The tensors the merge plan names (under peft: the base model's, with its own names)."""
+        model = self.model.get_base_model() if self.options.lora else self.model
+        return model.state_dict()
 
     def save_state(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -221,7 +241,15 @@ class FSDPRank:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        if self.options.lora:
+            peft_prefix = "base_model.model."
+            base = {name.removeprefix(peft_prefix): t for name, t in full.items()}
+            merged = {name: merged_tensor(entry, base) for name, entry in self.plan.items()}
+            self.model.get_base_model().save_pretrained(path, state_dict=merged)
+            self.model.save_pretrained(Path(path) / "adapter", state_dict=full)
+        else:
             self.model.save_pretrained(path, state_dict=full)
 
     def shutdown(self) -> None:
@@ -231,9 +259,14 @@ class FSDPRank:
             dist.destroy_process_group()
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
 def _decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated blocks to shard one by one (``model.model.layers`` for HF decoder LMs)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
+    layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no model.layers to shard (FSDP needs a decoder-only HF model)")
     return list(layers)

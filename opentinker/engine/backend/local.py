@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Iterator, Mapping
@@ -20,6 +21,7 @@ from opentinker.engine.backend.base import (
     bucketed,
 )
 from opentinker.engine.backend.forward import ResponseScorer
+from opentinker.engine.backend.lora import LoraSettings, add_adapters, merge_plan, merged_state_dict, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss
 from opentinker.engine.batch import TokenBatch
 
@@ -27,7 +29,8 @@ STATE_FILE = "backend_state.pt"
 
 
 class LocalBackend:
-    """Actor model + AdamW (+ a frozen reference copy when a KL term needs one)."""
+    """Actor model + AdamW (+ a frozen reference when a KL term needs one: a copy, or with
+    LoRA the base model itself with the adapters disabled)."""
 
     def __init__(
         self,
@@ -38,15 +41,18 @@ class LocalBackend:
         use_remove_padding: bool = False,
         share_prompt_prefix: bool = True,
         gradient_checkpointing: bool = False,
+        lora: LoraSettings | None = None,
     ):
-        self.model = model
         self.device = next(model.parameters()).device
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None
+        self.lora = lora
+        self.with_reference = with_reference
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if with_reference and not lora else None
         if gradient_checkpointing:
             # transformers 5 renamed gradient_checkpointing_enable; accept either.
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
             model.config.use_cache = False
+        self.model = add_adapters(model, lora) if lora else model
         self.scorer = ResponseScorer(
             pad_token_id, self.device, use_remove_padding, share_prompt_prefix and not gradient_checkpointing
         )
@@ -58,12 +64,13 @@ class LocalBackend:
     def forward(
         self, batch: TokenBatch, *, temperature: float = 1.0, reference: bool = False, with_entropy: bool = False
     ) -> ForwardOutput:
-        model = self.reference if reference else self.model
-        if model is None:
+        if reference and not self.with_reference:
             raise RuntimeError("forward(reference=True) but this backend has no reference model")
+        model = self.reference if reference and self.reference is not None else self.model
         was_training = model.training
         model.eval()
-        logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
+        with self.model.disable_adapter() if reference and self.lora else contextlib.nullcontext():
+            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
         model.train(was_training)
         return ForwardOutput(logprobs.cpu(), None if entropy is None else entropy.cpu())
 
@@ -115,15 +122,27 @@ class LocalBackend:
 
     # -- weights and state ----------------------------------------------------------
     def weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
-        return bucketed(((name, t.detach()) for name, t in self.model.state_dict().items()), bucket_bytes)
+        """The full weights under the base model's names (with LoRA: merged, one layer at a time)."""
+        if self.lora:
+            state = self.model.get_base_model().state_dict()
+            named = ((entry.name, merged_tensor(entry, state)) for entry in merge_plan(self.model))
+        else:
+            named = ((name, t.detach()) for name, t in self.model.state_dict().items())
+        return bucketed(named, bucket_bytes)
+
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """What training changes: every weight, or with LoRA only the adapters."""
+        if self.lora:
+            return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
+        return self.model.state_dict()
 
     def save_state(self, path: str | Path) -> Path:
-        """Weights, optimizer, RNG and step in ``path/backend_state.pt``."""
+        """Weights (with LoRA: the adapters), optimizer, RNG and step in ``path/backend_state.pt``."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         torch.save(
             {
-                "model": self.model.state_dict(),
+                "model": self._trained_state(),
                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -135,7 +154,9 @@ class LocalBackend:
 
     def load_state(self, path: str | Path) -> None:
         state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=not self.lora)
+        if unexpected or (self.lora and set(state["model"]) != set(self._trained_state())):
+            raise ValueError(f"{path}: the saved state does not fit this model (unexpected: {unexpected[:3]})")
         if state["optimizer"] is None:
             self.optimizer = None  # saved before the first step: so it is again
         else:
@@ -148,9 +169,14 @@ class LocalBackend:
         self.step = int(state["step"])
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path:
+        """A Hugging Face folder (with LoRA: the merged model, and the adapter in ``adapter/``)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        if self.lora:
+            self.model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(self.model))
+            self.model.save_pretrained(path / "adapter")
+        else:
+            self.model.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         return path
