@@ -148,6 +148,9 @@ DEFAULTS: dict[str, Any] = {
         # A step whose every trajectory failed before the model spoke (e.g. the env server is
         # down) is skipped and counted; this many in a row fail the job, naming the env error.
         "max_consecutive_empty_steps": 3,
+        # auto: continue from the newest checkpoint in default_local_dir, if any; disable;
+        # or the path of a global_step_<k> folder (verl's key)
+        "resume_mode": "auto",
     },
 }
 

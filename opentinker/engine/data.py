@@ -70,7 +70,8 @@ def tokenize_rows(
 
 
 class PromptLoader:
-    """Endless batches of prompts; reshuffled every epoch from ``seed``."""
+    """Endless batches of prompts; reshuffled every epoch from ``seed``. Its position is
+    state (:meth:`state_dict`), so a resumed run sees the same batches as an unbroken one."""
 
     def __init__(self, prompts: Sequence[Prompt], batch_size: int, shuffle: bool, seed: int):
         if len(prompts) < batch_size:
@@ -80,15 +81,34 @@ class PromptLoader:
         self.shuffle = shuffle
         self._rng = random.Random(seed)
         self.epoch = 0
+        self._order: list[int] = []
+        self._position = 0  # next index into _order
+        self._new_epoch(count=False)
+
+    def _new_epoch(self, count: bool = True) -> None:
+        self._order = list(range(len(self.prompts)))
+        if self.shuffle:
+            self._rng.shuffle(self._order)
+        self._position = 0
+        self.epoch += int(count)
 
     def __iter__(self) -> Iterator[list[Prompt]]:
-        while True:
-            order = list(range(len(self.prompts)))
-            if self.shuffle:
-                self._rng.shuffle(order)
-            for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
-                yield [self.prompts[i] for i in order[start : start + self.batch_size]]
-            self.epoch += 1
+        return self
+
+    def __next__(self) -> list[Prompt]:
+        if self._position + self.batch_size > len(self._order):  # the rest is shorter than a batch
+            self._new_epoch()
+        batch = [self.prompts[i] for i in self._order[self._position:self._position + self.batch_size]]
+        self._position += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "order": list(self._order), "position": self._position,
+                "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self._order, self._position = state["epoch"], list(state["order"]), state["position"]
+        self._rng.setstate(state["rng"])
 
 
 def arithmetic_reward(response: str, row: dict[str, Any]) -> float:

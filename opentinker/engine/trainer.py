@@ -160,9 +160,13 @@ class RLTrainer:
         self.global_step = 0
         self.skipped_steps = 0  # steps with nothing to train on, in all
         self.consecutive_skipped_steps = 0
+        self.resumed_from: Path | None = None
         self.wandb_run = start_wandb(cfg) if "wandb" in cfg.trainer.logger else None
         if self.strategy_judge is None and cfg.algorithm.enable_solution_classification:
             self.strategy_judge = judge_from_config(cfg, self.model_path)
+        checkpoint = find_checkpoint(cfg.trainer.resume_mode, cfg.trainer.default_local_dir)
+        if checkpoint is not None:
+            self.resume(checkpoint)
 
     def _make_rollout_engine(self) -> RolloutEngine:
         ar = self.cfg.actor_rollout_ref
@@ -408,11 +412,52 @@ class RLTrainer:
         return metrics
 
     def save_checkpoint(self) -> Path | None:
+        """``<default_local_dir>/global_step_<k>/``: ``actor/`` (a Hugging Face folder),
+        ``state/`` (the backend's weights, optimizer and RNG) and ``trainer_state.pt`` (step,
+        data position, schedules, RNG); the file ``latest_checkpointed_iteration.txt`` names
+        the newest complete one. Returns the ``actor`` folder."""
         root = self.cfg.trainer.default_local_dir
         if not root:
             return None
-        path = Path(root) / f"global_step_{self.global_step}" / "actor"
-        return self.backend.export_hf(path, self.tokenizer)
+        folder = Path(root) / f"global_step_{self.global_step}"
+        actor = self.backend.export_hf(folder / "actor", self.tokenizer)
+        self.backend.save_state(folder / "state")
+        torch.save(self.trainer_state(), folder / TRAINER_STATE)  # last: its presence marks a complete checkpoint
+        latest = Path(root) / LATEST_CHECKPOINT
+        tmp = latest.with_suffix(".tmp")
+        tmp.write_text(str(self.global_step))
+        tmp.replace(latest)
+        return actor
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What, besides the backend's state, a run needs to continue exactly as it would have."""
+        rollout_rng = getattr(self.rollout, "rng_state", None)
+        return {
+            "global_step": self.global_step,
+            "ppo_updates": self.ppo.updates,
+            "ppo_shuffle": self.ppo._shuffle.get_state(),
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skipped_steps": self.consecutive_skipped_steps,
+            "loader": self.loader.state_dict(),
+            "rollout_rng": rollout_rng() if callable(rollout_rng) else None,
+        }
+
+    def resume(self, checkpoint: Path) -> None:
+        """Continue from ``checkpoint`` (a ``global_step_<k>`` folder): the backend's state,
+        the trainer's, and the rollout engine's weights."""
+        state = torch.load(checkpoint / TRAINER_STATE, weights_only=False)
+        self.backend.load_state(checkpoint / "state")
+        self.global_step = int(state["global_step"])
+        self.ppo.updates = int(state["ppo_updates"])
+        self.ppo._shuffle.set_state(state["ppo_shuffle"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.consecutive_skipped_steps = int(state["consecutive_skipped_steps"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng = getattr(self.rollout, "set_rng_state", None)
+        if state["rollout_rng"] is not None and callable(set_rng):
+            set_rng(state["rollout_rng"])
+        self.sync_weights()
+        self.resumed_from = checkpoint
 
     # -- the loop ------------------------------------------------------------------
     def train_step(self, rows: Sequence[dict] | None = None, *, save: bool = False) -> dict[str, Any]:
@@ -429,8 +474,10 @@ class RLTrainer:
         return metrics
 
     def initial_validation(self) -> dict[str, float]:
+        """Validation before the first step (not again when resuming)."""
         trainer_cfg = self.cfg.trainer
-        return self.validate() if trainer_cfg.val_before_train and trainer_cfg.test_freq > 0 else {}
+        wanted = trainer_cfg.val_before_train and trainer_cfg.test_freq > 0 and self.resumed_from is None
+        return self.validate() if wanted else {}
 
     def fit(self, on_step: StepCallback | None = None) -> list[dict[str, Any]]:
         """Train for ``trainer.total_training_steps``; returns every step's metrics."""
@@ -471,6 +518,28 @@ class RLTrainer:
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.backend.close()
+
+
+TRAINER_STATE = "trainer_state.pt"
+LATEST_CHECKPOINT = "latest_checkpointed_iteration.txt"  # verl's name for the same file
+
+
+def find_checkpoint(resume_mode: str, root: str | None) -> Path | None:
+    """The checkpoint ``trainer.resume_mode`` asks for: ``disable`` none; ``auto`` the newest
+    complete one under ``root`` (none on a fresh run); else the ``global_step_<k>`` folder it
+    names, which must be complete."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        latest = Path(root) / LATEST_CHECKPOINT if root else None
+        if latest is None or not latest.exists():
+            return None
+        folder = Path(root) / f"global_step_{int(latest.read_text().strip())}"
+    else:
+        folder = Path(resume_mode)
+    if not (folder / TRAINER_STATE).exists():
+        raise ConfigError(f"trainer.resume_mode: {folder} is not a complete checkpoint (no {TRAINER_STATE})")
+    return folder
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -117,6 +117,12 @@ class JobPolicy:
                 "config key 'trainer.default_local_dir' is set by the server (each job saves into its own "
                 "folder); leave it out and use trainer.save_freq or POST /v1/jobs/{id}/checkpoints",
             )
+        if asked.get("trainer.resume_mode") not in (None, "auto", "disable"):
+            raise PolicyError(
+                "config.trainer.resume_mode",
+                "config key 'trainer.resume_mode': a job may only ask for 'auto' or 'disable' (the server "
+                "resumes a job from its own checkpoints: POST /v1/jobs/{id}/resume)",
+            )
         if asked.get("actor_rollout_ref.model.trust_remote_code") not in (None, False):
             raise PolicyError(
                 "config.actor_rollout_ref.model.trust_remote_code",

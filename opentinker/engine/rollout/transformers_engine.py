@@ -71,6 +71,13 @@ class TransformersRolloutEngine:
         if missing:
             raise KeyError(f"update_weights: no new value for {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
 
+    def rng_state(self) -> torch.Tensor:
+        """The sampler's random state (part of a trainer checkpoint: a resumed run samples alike)."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
+
     def sleep(self) -> None:
         """CPU memory is not reclaimed between phases; nothing to do."""
 
