@@ -1,6 +1,7 @@
 """`opentinker-server serve` as a real process with its own local Ray: Ray listens on
 loopback only (audit item 8), and when the server is killed (-9) nothing it started
-survives, a running job included; the restarted server marks that job interrupted (13)."""
+survives, a running job included (13); the restarted server resumes that job from its last
+checkpoint, and its events and step numbers go on without gaps or repeats."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def test_ray_listens_on_loopback_and_nothing_outlives_a_killed_server(tiny_model
     try:
         job_id = httpx.post(f"{url}/v1/jobs", json={"config": SMALL}, headers=headers, trust_env=False).json()["job_id"]
         deadline = time.monotonic() + 180
-        while not list((data / "jobs" / job_id / "checkpoints").glob("global_step_*")):
+        while not httpx.get(f"{url}/v1/jobs/{job_id}/checkpoints", headers=headers,
+                            trust_env=False).json()["checkpoints"]:
             assert time.monotonic() < deadline, "the job never saved a checkpoint"
             time.sleep(0.5)
         tree = descendants(server.pid)
@@ -123,7 +125,12 @@ def test_ray_listens_on_loopback_and_nothing_outlives_a_killed_server(tiny_model
     restarted = _serve(data, port)
     try:
         job = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, trust_env=False).json()
-        assert job["status"] == "interrupted"
+        assert job["status"] in ("queued", "running")  # it had checkpoints: it resumes
+        events = httpx.get(f"{url}/v1/jobs/{job_id}/events", params={"stream": "false"}, headers=headers,
+                           trust_env=False).json()["events"]
+        statuses = [e["data"]["status"] for e in events if e["type"] == "status"]
+        assert statuses[:4] == ["queued", "running", "interrupted", "queued"]
+        httpx.post(f"{url}/v1/jobs/{job_id}/cancel", headers=headers, trust_env=False)
         tree = descendants(restarted.pid)
     finally:
         restarted.terminate()
@@ -132,3 +139,46 @@ def test_ray_listens_on_loopback_and_nothing_outlives_a_killed_server(tiny_model
     while _alive(tree):  # a clean stop leaves nothing behind either
         assert time.monotonic() < deadline, _alive(tree)
         time.sleep(0.5)
+
+
+def test_a_job_killed_with_its_server_resumes_and_finishes_without_gaps_or_repeats(tiny_model_dir, tmp_path):
+    data = tmp_path / "server"
+    data.mkdir()
+    _cli("admin", "create-user", "olga", "--data-dir", str(data))
+    key = _cli("admin", "create-key", "olga", "--data-dir", str(data)).strip().splitlines()[-1]
+    headers = {"Authorization": f"Bearer {key}"}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    steps = 40
+    config = {**SMALL, "trainer.total_training_steps": steps, "trainer.save_freq": 1}
+    server = _serve(data, port)
+    try:
+        job_id = httpx.post(f"{url}/v1/jobs", json={"config": config}, headers=headers, trust_env=False).json()["job_id"]
+        deadline = time.monotonic() + 180
+        while httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, trust_env=False).json()["step"] < 5:
+            assert time.monotonic() < deadline, "the job did not reach step 5"
+            time.sleep(0.2)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    restarted = _serve(data, port)
+    try:
+        deadline = time.monotonic() + 300
+        while (job := httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, trust_env=False).json())["status"] != \
+                "completed":
+            assert job["status"] in ("queued", "running", "interrupted"), job
+            assert time.monotonic() < deadline, "the resumed job did not finish"
+            time.sleep(0.5)
+        events = httpx.get(f"{url}/v1/jobs/{job_id}/events", params={"stream": "false"}, headers=headers,
+                           trust_env=False).json()["events"]
+    finally:
+        restarted.terminate()
+        restarted.wait(60)
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["data"]["step"] for e in events if e["type"] == "progress"] == list(range(1, steps + 1))
+    assert [e["data"]["step"] for e in events if e["type"] == "metrics"] == list(range(1, steps + 1))
+    statuses = [e["data"]["status"] for e in events if e["type"] == "status"]
+    assert statuses == ["queued", "running", "interrupted", "queued", "running", "completed"]
+    assert events[-1]["type"] == "status"

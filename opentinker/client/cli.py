@@ -6,6 +6,7 @@
     opentinker jobs show ID
     opentinker jobs logs ID [--follow]
     opentinker jobs cancel ID
+    opentinker jobs resume ID           # continue a stopped job from its last checkpoint
     opentinker jobs checkpoints ID
     opentinker jobs download ID [--name NAME] [--dest DIR]
     opentinker models                 # what actor_rollout_ref.model.path may name here
@@ -178,6 +179,13 @@ def _jobs_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jobs_resume(args: argparse.Namespace) -> int:
+    with make_client(args) as client:
+        info = client.job(args.job_id).resume()
+        _print(f"job {info.job_id}: {info.status.value}, resuming after step {info.step}/{info.total_steps}")
+    return 0
+
+
 def _jobs_checkpoints(args: argparse.Namespace) -> int:
     with make_client(args) as client:
         checkpoints = client.job(args.job_id).checkpoints()
@@ -231,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs = leaf("logs", "print a job's events (status, progress, metrics, checkpoints, errors)", _jobs_logs)
     logs.add_argument("-f", "--follow", action="store_true", help="keep streaming until the job finishes")
     leaf("cancel", "cancel a job", _jobs_cancel)
+    leaf("resume", "continue a stopped job from its last checkpoint", _jobs_resume)
     leaf("checkpoints", "list a job's checkpoints", _jobs_checkpoints)
     download = leaf("download", "download a checkpoint (a Hugging Face folder) and extract it", _jobs_download)
     download.add_argument("--name", default=None, help="checkpoint name (default: the latest)")

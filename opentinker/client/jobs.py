@@ -103,6 +103,11 @@ class JobHandle:
         """``GET /v1/jobs/{id}``."""
         return JobInfo.model_validate(self.client.request_json("GET", self._path))
 
+    def resume(self) -> JobInfo:
+        """``POST /v1/jobs/{id}/resume``: continue a stopped (interrupted, failed or cancelled)
+        job from its last checkpoint; :class:`ConflictError` when it has none or is not stopped."""
+        return JobInfo.model_validate(self.client.request_json("POST", f"{self._path}/resume"))
+
     def cancel(self) -> JobInfo:
         """``POST /v1/jobs/{id}/cancel``. Cancelling a job that already finished is not an
         error: its (final) info comes back."""

@@ -1,8 +1,8 @@
 """``create_app(settings)``: the control plane's FastAPI app.
 
 Startup opens the store, marks jobs a previous process left running as ``interrupted``
-(their Ray actors died with it; queued jobs stay queued), starts the JobManager (Ray) and
-schedules the queued jobs. OpenAPI docs are at ``/docs`` and ``/openapi.json``, public like
+(their Ray actors died with it; queued jobs stay queued), queues again those that have a
+checkpoint to resume from, starts the JobManager (Ray) and schedules the queued jobs. OpenAPI docs are at ``/docs`` and ``/openapi.json``, public like
 ``/v1/health``; every other route needs an API key.
 """
 
@@ -56,6 +56,9 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.state.store = store
         app.state.manager = manager
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
+        for job_id in interrupted:  # those with a checkpoint continue from it
+            if await manager.resume(job_id, "resuming from its last checkpoint after a server restart"):
+                log.info("job %s resumes from its last checkpoint", job_id)
         await manager.schedule()  # jobs queued before a restart
         try:
             yield

@@ -4,9 +4,11 @@ The runner class (default :class:`opentinker.server.runner.JobRunner`) is wrappe
 threaded Ray actor, so ``run`` can block in one thread while the control plane calls its
 other methods from the event loop. The contract, all methods called through Ray:
 
-- ``Runner(job_id, spec, job_dir, policy)`` where ``spec`` is ``JobCreate.model_dump()``
-  (datasets included), ``job_dir`` is ``<data_dir>/jobs/<job_id>`` (created) and ``policy``
-  the server's :class:`~opentinker.server.policy.JobPolicy` (served models, allowlists, limits).
+- ``Runner(job_id, spec, job_dir, policy, resume_from_step)`` where ``spec`` is
+  ``JobCreate.model_dump()`` (datasets included), ``job_dir`` is ``<data_dir>/jobs/<job_id>``
+  (created), ``policy`` the server's :class:`~opentinker.server.policy.JobPolicy` (served
+  models, allowlists, limits) and ``resume_from_step`` None, or the step of the job's
+  checkpoint to continue from (a resumed job; client mode: its later pushed batches follow).
 - ``run() -> {"status": "completed"|"failed"|"cancelled", "error": str|None, "step": int}``
   blocks until the job ends.
 - ``drain_events() -> [{"type": EventType, "data": dict}, ...]`` since the last drain;
@@ -358,6 +360,7 @@ class JobManager:
         active = _ActiveJob(job.job_id, job.user_id, job.mode)
         self._active[job.job_id] = active
         job_dir = self.settings.job_dir(job.job_id)
+        resume_from = self.store.resume_step(job.job_id) if job.step > 0 else None
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
             data = await asyncio.to_thread(self.store.job_data, job.job_id)  # datasets can be large
@@ -374,8 +377,10 @@ class JobManager:
             active.actor = (
                 self._remote_runner()
                 .options(**options)
-                .remote(job.job_id, spec, str(job_dir), self.settings.job_policy)
+                .remote(job.job_id, spec, str(job_dir), self.settings.job_policy, resume_from)
             )
+            if resume_from is not None:
+                self._announce_resume(job, resume_from, active)
         except Exception as exc:  # the runner class failed to import, bad options, ...
             log.exception("job %s: could not start its runner", job.job_id)
             del self._active[job.job_id]
@@ -386,6 +391,23 @@ class JobManager:
             del self._active[job.job_id]
             return
         active.task = asyncio.get_running_loop().create_task(self._supervise(active), name=f"job-{job.job_id}")
+
+    def _announce_resume(self, job: JobRecord, step: int, active: _ActiveJob) -> None:
+        """Say where a resumed job continues; client mode: feed it the batches pushed after
+        its checkpoint again (in step order: a threaded actor takes them by index anyway)."""
+        again = f"; steps {step + 1} to {job.step} run again (no checkpoint after step {step})" if job.step > step else ""
+        self.store.append_event(job.job_id, "log", {"message": f"resuming from checkpoint global_step_{step}{again}"})
+        active.trained_step = step
+        for pushed, rows in self.store.pushed_rows_after(job.job_id, step):
+            active.actor.push_batch.remote(pushed, rows)
+            active.pushed_step = pushed
+
+    async def resume(self, job_id: str, reason: str) -> bool:
+        """Queue a stopped job again from its newest usable checkpoint; False when it has none."""
+        if self.store.resume_step(job_id) is None or not self.store.reopen(job_id, reason):
+            return False
+        self._schedule_soon()
+        return True
 
     async def _call(self, job_id: str, method: str, *args: Any, timeout: float | None) -> Any:
         """``actor.method(*args)``, awaited. Raises JobNotActiveError, RunnerBusyError

@@ -26,8 +26,10 @@ class JobCancelled(Exception):
 
 
 class JobRunner:
-    def __init__(self, job_id: str, spec: dict[str, Any], job_dir: str, policy: JobPolicy | None = None):
+    def __init__(self, job_id: str, spec: dict[str, Any], job_dir: str, policy: JobPolicy | None = None,
+                 resume_from_step: int | None = None):
         self.job_id = job_id
+        self.resume_from_step = resume_from_step
         self.spec = JobCreate.model_validate(spec)
         self.job_dir = Path(job_dir)
         self.policy = policy or JobPolicy()
@@ -118,6 +120,10 @@ class JobRunner:
         # The policy again, here where it counts: the client's config plus the operator's
         # model path, judge endpoint and job folder; env endpoints checked as they are built.
         cfg = self.policy.runner_config(self.spec.config, str(self.job_dir))
+        # A new job starts fresh; a resumed one from the checkpoint the server chose (whose
+        # step's events were published), never from a client-named path.
+        cfg.trainer.resume_mode = "disable" if self.resume_from_step is None else str(
+            Path(cfg.trainer.default_local_dir) / f"global_step_{self.resume_from_step}")
         registry = default_registry(allowed=self.policy.allowed_interactions)
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id))
         return RLTrainer(cfg, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,

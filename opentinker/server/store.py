@@ -89,6 +89,7 @@ CREATE TABLE IF NOT EXISTS steps (
     idempotency_key TEXT,
     accepted_json TEXT NOT NULL,
     created_at REAL NOT NULL,
+    rows_json TEXT,  -- the pushed rows, fed again to a job resumed from an earlier checkpoint
     PRIMARY KEY (job_id, step)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS steps_by_key ON steps(job_id, idempotency_key)
@@ -201,6 +202,8 @@ class Store:
                 "WHERE idempotency_key IS NOT NULL"
             )
             self._conn.execute("CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs(status, created_at)")
+            if "rows_json" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(steps)")}:
+                self._conn.execute("ALTER TABLE steps ADD COLUMN rows_json TEXT")
             self._move_datasets_out_of_specs()
         self.on_events: Callable[[str], None] | None = None  # called with a job id after its events change
 
@@ -606,12 +609,49 @@ class Store:
         rows = self._query("SELECT COALESCE(MAX(step), 0) AS last FROM steps WHERE job_id = ?", (job_id,))
         return int(rows[0]["last"])
 
-    def add_step(self, job_id: str, accepted: StepAccepted, idempotency_key: str | None) -> None:
+    def add_step(self, job_id: str, accepted: StepAccepted, idempotency_key: str | None,
+                 rows: list[dict[str, Any]] | None = None) -> None:
         with self._transaction() as conn:
             conn.execute(
-                "INSERT INTO steps (job_id, step, idempotency_key, accepted_json, created_at) VALUES (?, ?, ?, ?, ?)",
-                (job_id, accepted.step, idempotency_key, accepted.model_dump_json(), time.time()),
+                "INSERT INTO steps (job_id, step, idempotency_key, accepted_json, created_at, rows_json) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, accepted.step, idempotency_key, accepted.model_dump_json(), time.time(),
+                 None if rows is None else json.dumps(rows)),
             )
+
+    def pushed_rows_after(self, job_id: str, step: int) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The rows of the job's pushed steps after ``step``, in step order."""
+        rows = self._query("SELECT step, rows_json FROM steps WHERE job_id = ? AND step > ? AND rows_json IS NOT NULL "
+                           "ORDER BY step", (job_id, step))
+        return [(r["step"], json.loads(r["rows_json"])) for r in rows]
+
+    # resuming -------------------------------------------------------------------------
+
+    def resume_step(self, job_id: str) -> int | None:
+        """The newest checkpoint step the job can resume from: at or before its last reported
+        step (later steps' events were never published, so they run again without repeats)."""
+        rows = self._query(
+            "SELECT MAX(c.step) AS step FROM checkpoints c JOIN jobs j ON j.job_id = c.job_id "
+            "WHERE c.job_id = ? AND c.step > 0 AND c.step <= j.step", (job_id,))
+        return rows[0]["step"] if rows and rows[0]["step"] is not None else None
+
+    def reopen(self, job_id: str, reason: str) -> bool:
+        """Queue a finished (not completed) job again, to resume it; its final status stops
+        being final. False when the job is completed or not finished."""
+        now = time.time()
+        with self._transaction() as conn:
+            row = conn.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            status = JobStatus(row["status"]) if row else None
+            if status is None or not status.finished or status is JobStatus.COMPLETED:
+                return False
+            conn.execute(
+                "UPDATE jobs SET status = ?, error = NULL, status_reason = ?, status_event_pending = 0, "
+                "final_event_seq = NULL, updated_at = ? WHERE job_id = ?",
+                (JobStatus.QUEUED.value, reason, now, job_id),
+            )
+            self._append_status_event(conn, job_id, JobStatus.QUEUED, reason, now)
+        self._notify(job_id)
+        return True
 
 
 class QuotaExceeded(Exception):

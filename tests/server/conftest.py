@@ -44,8 +44,9 @@ from opentinker.server.store import Store  # noqa: E402
 class StandInRunner:
     """A JobRunner look-alike whose steps are sleeps (see the module docstring)."""
 
-    def __init__(self, job_id: str, spec: dict, job_dir: str, policy: Any):
+    def __init__(self, job_id: str, spec: dict, job_dir: str, policy: Any, resume_from_step: int | None = None):
         name = spec.get("name") or ""
+        self.start_step = resume_from_step or 0
         if "bad-init" in name:
             raise ValueError("the stand-in runner refused to start")
         self.job_id = job_id
@@ -92,7 +93,7 @@ class StandInRunner:
         return False
 
     def run(self) -> dict:
-        step = 0
+        step = self.start_step
         self._emit("log", {"message": f"stand-in runner of {self.job_id} starts", "dataset_rows": self.dataset_rows})
         while step < self.total_steps:
             if self._cancel.is_set():

@@ -14,6 +14,7 @@ ROUTES = [
     ("POST", "/v1/jobs", {"config": {}}),
     ("GET", f"/v1/jobs/{JOB}", None),
     ("POST", f"/v1/jobs/{JOB}/cancel", None),
+    ("POST", f"/v1/jobs/{JOB}/resume", None),
     ("POST", f"/v1/jobs/{JOB}/steps", {"step": 1, "rows": [{"prompt": [{"role": "user", "content": "hi"}]}]}),  # noqa: E501
     ("GET", f"/v1/jobs/{JOB}/events", None),
     ("GET", f"/v1/jobs/{JOB}/checkpoints", None),
@@ -63,6 +64,7 @@ def test_users_cannot_touch_each_others_jobs(alice, bob, helpers):
     attempts = [
         bob.get(f"/v1/jobs/{job_id}"),
         bob.post(f"/v1/jobs/{job_id}/cancel"),
+        bob.post(f"/v1/jobs/{job_id}/resume"),
         bob.post(f"/v1/jobs/{job_id}/steps", json={"step": 1, "rows": [row]}),
         bob.get(f"/v1/jobs/{job_id}/events"),
         bob.get(f"/v1/jobs/{job_id}/events", params={"stream": "false"}),

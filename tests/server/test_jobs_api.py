@@ -269,3 +269,61 @@ def test_fsdp_jobs_the_cluster_cannot_place_are_refused_at_creation(alice):
         "64 CPU in this server's Ray cluster, which has 4")
     gpu = {**config, "trainer.device": "cuda", "trainer.n_gpus_per_node": 2}
     assert "needs 2 GPU in this server's Ray cluster, which has 0" in alice.post("/v1/jobs", json={"config": gpu}).text
+
+
+def test_a_stopped_job_resumes_from_its_last_checkpoint(alice, server, helpers):
+    job_id = helpers.create_job(alice, "slow", steps=40)
+    helpers.wait_for(lambda: helpers.job_status(alice, job_id) == "running", 30, "the job to run")
+    early = alice.post(f"/v1/jobs/{job_id}/resume")
+    assert early.status_code == 409 and "only a stopped job" in early.json()["error"]
+    alice.post(f"/v1/jobs/{job_id}/checkpoints")
+    helpers.wait_for(lambda: alice.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"], 30, "a checkpoint")
+    checkpoint = alice.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"][0]["step"]
+    alice.post(f"/v1/jobs/{job_id}/cancel")
+    helpers.wait_for(lambda: job_id not in server.manager.active_job_ids(), 30, "the runner to stop")
+    stopped_at = alice.get(f"/v1/jobs/{job_id}").json()["step"]
+    resumed = alice.post(f"/v1/jobs/{job_id}/resume")
+    assert resumed.status_code == 202 and resumed.json()["status"] == "queued"
+    helpers.wait_for(lambda: any(e["type"] == "progress" and e["data"]["step"] > stopped_at
+                                 for e in helpers.all_events(alice, job_id)), 30, "steps after the resume")
+    events = helpers.all_events(alice, job_id)
+    statuses = [e["data"]["status"] for e in events if e["type"] == "status"]
+    assert statuses[:3] == ["queued", "running", "cancelled"] and statuses[3:5] == ["queued", "running"]
+    logs = [e["data"]["message"] for e in events if e["type"] == "log"]
+    assert any(m.startswith(f"resuming from checkpoint global_step_{checkpoint}") for m in logs)
+    cancelled_at = next(i for i, e in enumerate(events) if e["type"] == "status" and e["data"]["status"] == "cancelled")
+    after = [e["data"]["step"] for e in events[cancelled_at:] if e["type"] == "progress"]
+    assert after[0] == checkpoint + 1  # the resumed runner continues after the checkpoint
+    alice.post(f"/v1/jobs/{job_id}/cancel")
+    done = helpers.create_job(alice, "quick", steps=1)
+    helpers.wait_status(alice, done, "completed")
+    refused = alice.post(f"/v1/jobs/{done}/resume")
+    assert refused.status_code == 409 and "is completed" in refused.json()["error"]
+    nothing = helpers.create_job(alice, "hold", mode="client", steps=3)
+    alice.post(f"/v1/jobs/{nothing}/cancel")
+    assert "no checkpoint to resume from" in alice.post(f"/v1/jobs/{nothing}/resume").json()["error"]
+
+
+def test_a_resumed_client_mode_job_gets_its_later_batches_again(alice, server, helpers):
+    job_id = helpers.create_job(alice, "hold", mode="client", steps=5)
+    row = {"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
+    helpers.wait_status(alice, job_id, "running")
+    store = server.app.state.store
+    for step in (1, 2):  # the stand-in "hold" never trains: fake its progress and a checkpoint at step 1
+        assert alice.post(f"/v1/jobs/{job_id}/steps", json={"step": step, "rows": [row]}).status_code == 202
+    store.append_runner_events(job_id, [{"type": "progress", "data": {"step": 1, "total_steps": 5}},
+                                        {"type": "checkpoint", "data": {"step": 1, "name": "global_step_1",
+                                                                        "path": "/nowhere"}}])
+    alice.post(f"/v1/jobs/{job_id}/cancel")
+    helpers.wait_for(lambda: job_id not in server.manager.active_job_ids(), 30, "the runner to stop")
+    assert alice.post(f"/v1/jobs/{job_id}/resume").status_code == 202
+
+    def received_again():
+        events = helpers.all_events(alice, job_id)
+        resumed_at = next((i for i, e in enumerate(events) if e["type"] == "log"
+                           and e["data"]["message"].startswith("resuming from checkpoint global_step_1")), None)
+        return resumed_at is not None and [e["data"]["message"] for e in events[resumed_at:]
+                                           if e["type"] == "log" and e["data"]["message"].startswith("received")]
+
+    assert helpers.wait_for(received_again, 30, "the batch after the checkpoint") == ["received step 2"]
+    alice.post(f"/v1/jobs/{job_id}/cancel")

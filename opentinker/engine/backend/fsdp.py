@@ -182,10 +182,21 @@ class FSDPRank:
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(grad_norm)
         if finite:
+            self._move_optimizer_state(self.device)
             self.optimizer.step()
             self.step += 1
+            if self.options.optimizer_offload:  # Adam's moments wait in host memory until the next step
+                self._move_optimizer_state(torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        if self.optimizer is None or device.type == "cpu" and self.device.type == "cpu":
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != device:
+                    state[key] = value.to(device, non_blocking=True)
 
     # -- weights and state ----------------------------------------------------------
     def tensor_sizes(self) -> list[tuple[str, int]]:

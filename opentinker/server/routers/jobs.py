@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 
 from opentinker.config import ConfigError, to_dotted
 from opentinker.environments.registry import InteractionRegistry, UnknownInteractionError
-from opentinker.protocol import JobCreate, JobCreated, JobInfo, JobList
+from opentinker.protocol import JobCreate, JobCreated, JobInfo, JobList, JobStatus
 from opentinker.server.auth import current_user
 from opentinker.server.deps import get_manager, get_registry, get_settings, get_store, owned_job
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
@@ -186,6 +186,36 @@ async def cancel_job(
 ) -> JobInfo:
     if not job.status.finished:  # a finished job stays as it is: cancelling is idempotent
         await manager.cancel(job.job_id)
+    updated = store.get_job(job.job_id)
+    assert updated is not None
+    return updated.info()
+
+
+@router.post(
+    "/{job_id}/resume",
+    response_model=JobInfo,
+    status_code=202,
+    summary="Continue a stopped job from its last checkpoint",
+    responses=error_responses(404, 409, 429),
+)
+async def resume_job(
+    job: JobRecord = Depends(owned_job),
+    user: User = Depends(current_user),
+    store: Store = Depends(get_store),
+    manager: JobManager = Depends(get_manager),
+    settings: ServerSettings = Depends(get_settings),
+) -> JobInfo:
+    if not job.status.finished or job.status is JobStatus.COMPLETED:
+        raise ApiError(409, f"job {job.job_id} is {job.status.value}; only a stopped job (interrupted, failed or "
+                            "cancelled) can be resumed")
+    limit = settings.max_running_jobs_per_user + settings.max_queued_jobs_per_user
+    unfinished = sum(1 for j in store.list_jobs(user) if not j.status.finished)
+    if unfinished >= limit:
+        raise ApiError(429, f"you have {unfinished} unfinished jobs, the most this server allows per user",
+                       headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)})
+    if not await manager.resume(job.job_id, "resumed by the user"):
+        raise ApiError(409, f"job {job.job_id} has no checkpoint to resume from (checkpoints come with "
+                            "trainer.save_freq or POST /v1/jobs/{id}/checkpoints)")
     updated = store.get_job(job.job_id)
     assert updated is not None
     return updated.info()

@@ -138,5 +138,5 @@ async def push_step(
             raise ApiError(500, f"the job's runner failed to take step {body.step}: {cause or exc}") from exc
 
         accepted = StepAccepted(step=body.step, queued=queued + 1)
-        store.add_step(job_id, accepted, idempotency_key)
+        store.add_step(job_id, accepted, idempotency_key, body.rows)  # kept: a resumed job is fed them again
         return accepted
