@@ -61,6 +61,14 @@ def load_causal_lm(
     return model.to(device)
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute activations in backward instead of keeping them (and no KV cache in training)."""
+    # transformers 5 renamed gradient_checkpointing_enable; accept either.
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.config.use_cache = False
+
+
 def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("trainer.device=cuda but no CUDA device is available")

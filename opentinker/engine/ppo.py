@@ -24,9 +24,8 @@ from opentinker.engine.backend.forward import pad_to
 from opentinker.engine.batch import TokenBatch
 
 LOSS = "rl_policy"
-# (metric name in the results, the loss statistic summed with the loss weights)
-_STAT_METRICS = (("pg_loss", "pg_loss"), ("kl", "kl"), ("entropy", "entropy"), ("pg_clipfrac", "pg_clipfrac"),
-                 ("ppo_kl", "ppo_kl"), ("pg_clipfrac_lower", "pg_clipfrac_lower"))
+# The loss statistics reported (each summed with the loss weights: the mini-batch's mean).
+_STATS = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
 
 
 def loss_weights(mask: torch.Tensor, agg_mode: str, scale: float) -> torch.Tensor:
@@ -138,9 +137,9 @@ class PPOUpdate:
                         continue
                     out = self.backend.forward_backward(micro, LOSS, self.loss_config, temperature=temperature,
                                                         with_entropy=True)
-                    for name, stat in _STAT_METRICS:
+                    for stat in _STATS:
                         if f"{stat}:sum" in out.metrics:
-                            sums[name] += out.metrics[f"{stat}:sum"]
+                            sums[stat] += out.metrics[f"{stat}:sum"]
                 step = self.backend.optim_step(params)
                 sums["grad_norm"] += step["grad_norm"]
                 mini_batches += 1

@@ -19,6 +19,7 @@ All per-token tensors are ``[B, R]``, aligned with ``TokenBatch.response_mask``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,23 @@ class AdamParams:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float | None = None
+
+
+def adamw_for(optimizer: torch.optim.AdamW | None, parameters: list[torch.nn.Parameter],
+              params: AdamParams) -> torch.optim.AdamW:
+    """``optimizer`` (created over ``parameters`` on first use) set to this step's settings."""
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(parameters, lr=params.lr)
+    for group in optimizer.param_groups:
+        group.update(lr=params.lr, betas=tuple(params.betas), eps=params.eps, weight_decay=params.weight_decay)
+    return optimizer
+
+
+def clip_gradients(parameters: list[torch.nn.Parameter], grad_clip: float | None) -> float:
+    """Clips to ``grad_clip`` (None: no clip) and returns the global gradient norm (for
+    sharded parameters, over the whole model)."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip if grad_clip is not None else math.inf)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 @dataclass

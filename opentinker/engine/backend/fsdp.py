@@ -33,11 +33,14 @@ from opentinker.engine.backend.base import (
     ForwardBackwardOutput,
     ForwardOutput,
     WeightBucket,
+    adamw_for,
+    clip_gradients,
 )
 from opentinker.engine.backend.forward import ResponseScorer, pad_to
 from opentinker.engine.backend.lora import LoraSettings, MergeEntry, add_adapters, merge_plan, merged_tensor
-from opentinker.engine.backend.losses import check_inputs, resolve_loss
+from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.model_loading import enable_gradient_checkpointing
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -57,10 +60,14 @@ class FSDPOptions:
     lora: LoraSettings | None = None
 
 
-def _free_port() -> int:
+def _rendezvous_address() -> tuple[str, int]:
+    """This node's address and a free port on it: where rank 0 will listen for the others."""
+    import ray
+
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
 
 
 class FSDPRank:
@@ -112,9 +119,7 @@ class FSDPRank:
                                                          trust_remote_code=options.trust_remote_code)
             full_state = {}
         if trainable and options.gradient_checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
-            model.config.use_cache = False
+            enable_gradient_checkpointing(model)
         if trainable and options.lora:
             model = add_adapters(model, options.lora)
             if self.rank == 0:
@@ -158,28 +163,15 @@ class FSDPRank:
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
         logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy)
-        inputs = {name: t.to(self.device) for name, t in batch.tensors.items()}
-        inputs["response_mask"] = batch.response_mask.to(self.device)
-        elementwise, stats = spec.fn(logprobs, inputs, config, entropy)
-        weights = inputs.get("weights", inputs["response_mask"])
-        loss = (elementwise * weights).sum()
-        (loss * self.world_size).backward()  # FSDP averages gradients over the ranks; ours sum
-        if entropy is not None:
-            stats = {**stats, "entropy": entropy.detach()}
-        metrics = {"loss:sum": float(loss.detach())}
-        metrics.update({f"{name}:sum": float((value * weights).sum()) for name, value in stats.items()})
-        return (logprobs.detach().cpu(), elementwise.detach().cpu(), metrics,
+        out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
+        (out.loss * self.world_size).backward()  # FSDP averages gradients over the ranks; ours sum
+        return (logprobs.detach().cpu(), out.elementwise.cpu(), out.metrics,
                 None if entropy is None else entropy.detach().cpu())
 
     def optim_step(self, params: AdamParams) -> dict[str, float]:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(parameters, lr=params.lr)
-        for group in self.optimizer.param_groups:
-            group.update(lr=params.lr, betas=tuple(params.betas), eps=params.eps, weight_decay=params.weight_decay)
-        max_norm = params.grad_clip if params.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # over the whole model (DTensors)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer = adamw_for(self.optimizer, parameters, params)
+        grad_norm = clip_gradients(parameters, params.grad_clip)
         finite = math.isfinite(grad_norm)
         if finite:
             self._move_optimizer_state(self.device)
@@ -336,12 +328,15 @@ class FSDPBackend:
                 f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"
             ) from None
         remote = ray.remote(FSDPRank)
-        master_port = _free_port()
+        # Rank 0's node, which may not be this one (trainer.nnodes > 1).
+        master_addr, master_port = ray.get(ray.remote(_rendezvous_address).options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=0),
+        ).remote())
         self._ranks = [
             remote.options(
                 num_cpus=1, num_gpus=1 if cuda else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-            ).remote(rank, world_size, "127.0.0.1", master_port, options)
+            ).remote(rank, world_size, master_addr, master_port, options)
             for rank in range(world_size)
         ]
         self._call("ready")  # raises the first rank's construction error, if any

@@ -18,12 +18,15 @@ from opentinker.engine.backend.base import (
     ForwardBackwardOutput,
     ForwardOutput,
     WeightBucket,
+    adamw_for,
+    clip_gradients,
     bucketed,
 )
 from opentinker.engine.backend.forward import ResponseScorer
 from opentinker.engine.backend.lora import LoraSettings, add_adapters, merge_plan, merged_state_dict, merged_tensor
-from opentinker.engine.backend.losses import check_inputs, resolve_loss
+from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.model_loading import enable_gradient_checkpointing
 
 STATE_FILE = "backend_state.pt"
 
@@ -48,10 +51,7 @@ class LocalBackend:
         self.with_reference = with_reference
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if with_reference and not lora else None
         if gradient_checkpointing:
-            # transformers 5 renamed gradient_checkpointing_enable; accept either.
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
-            model.config.use_cache = False
+            enable_gradient_checkpointing(model)
         self.model = add_adapters(model, lora) if lora else model
         self.scorer = ResponseScorer(
             pad_token_id, self.device, use_remove_padding, share_prompt_prefix and not gradient_checkpointing
@@ -88,18 +88,10 @@ class LocalBackend:
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
         logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy)
-        inputs = {name: t.to(self.device) for name, t in batch.tensors.items()}
-        inputs["response_mask"] = batch.response_mask.to(self.device)
-        elementwise, stats = spec.fn(logprobs, inputs, config, entropy)
-        weights = inputs.get("weights", inputs["response_mask"])
-        loss = (elementwise * weights).sum()
-        loss.backward()
-        if entropy is not None:
-            stats = {**stats, "entropy": entropy.detach()}
-        metrics = {"loss:sum": float(loss.detach())}
-        metrics.update({f"{name}:sum": float((value * weights).sum()) for name, value in stats.items()})
+        out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
+        out.loss.backward()
         return ForwardBackwardOutput(
-            logprobs.detach().cpu(), elementwise.detach().cpu(), metrics,
+            logprobs.detach().cpu(), out.elementwise.cpu(), out.metrics,
             None if entropy is None else entropy.detach().cpu(),
         )
 
@@ -107,12 +99,8 @@ class LocalBackend:
         """Clip, then one AdamW step; a non-finite gradient norm skips the step (it would
         poison the weights). Gradients are cleared either way."""
         parameters = [p for p in self.model.parameters() if p.requires_grad]
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(parameters, lr=params.lr)
-        for group in self.optimizer.param_groups:
-            group.update(lr=params.lr, betas=tuple(params.betas), eps=params.eps, weight_decay=params.weight_decay)
-        max_norm = params.grad_clip if params.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        self.optimizer = adamw_for(self.optimizer, parameters, params)
+        grad_norm = clip_gradients(parameters, params.grad_clip)
         finite = math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()

@@ -30,6 +30,7 @@ import torch
 
 from opentinker.engine.algorithms.kl import kl_penalty
 from opentinker.engine.algorithms.policy_losses import POLICY_TOKEN_LOSSES
+from opentinker.engine.batch import TokenBatch
 
 Stats = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, Any], "torch.Tensor | None"],
@@ -85,6 +86,32 @@ def check_inputs(spec: LossSpec, tensors: Mapping[str, torch.Tensor], shape: tup
     for key, tensor in tensors.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"per-token input {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+
+
+@dataclass
+class WeightedLoss:
+    """One ``forward_backward`` micro-batch's loss: ``loss`` (a scalar to back-propagate),
+    the ``elementwise`` losses and the ``metrics`` (``"loss:sum"``, ``"<stat>:sum"``)."""
+
+    loss: torch.Tensor
+    elementwise: torch.Tensor
+    metrics: dict[str, float]
+
+
+def weighted_loss(spec: LossSpec, config: Mapping[str, Any], logprobs: torch.Tensor,
+                  entropy: torch.Tensor | None, batch: TokenBatch, device: torch.device) -> WeightedLoss:
+    """``sum(weights * elementwise)`` over the batch, and each stat summed with the same weights
+    (``weights``: ``batch.tensors["weights"]``, default the response mask)."""
+    inputs = {name: t.to(device) for name, t in batch.tensors.items()}
+    inputs["response_mask"] = batch.response_mask.to(device)
+    elementwise, stats = spec.fn(logprobs, inputs, config, entropy)
+    weights = inputs.get("weights", inputs["response_mask"])
+    loss = (elementwise * weights).sum()
+    if entropy is not None:
+        stats = {**stats, "entropy": entropy.detach()}
+    metrics = {"loss:sum": float(loss.detach())}
+    metrics.update({f"{name}:sum": float((value * weights).sum()) for name, value in stats.items()})
+    return WeightedLoss(loss, elementwise.detach(), metrics)
 
 
 def _ratio(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
