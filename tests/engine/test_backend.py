@@ -63,6 +63,42 @@ def test_shared_prefix_padded_and_packed_logprobs_agree(make_backend, grouped_ba
     assert padded[2, 1:].abs().sum() == 0 and (padded[0, :3] < 0).all()  # exactly zero past a response
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_token_logprobs_match_log_softmax(monkeypatch, temperature):
+    """Row chunk by row chunk (several chunks here), the logprobs, the entropy and the logits'
+    gradient are those of log_softmax through autograd; the entropy is a statistic only."""
+    from opentinker.engine.backend import token_logprobs
+
+    monkeypatch.setattr(token_logprobs, "CHUNK_ELEMENTS", 40)
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64) * 4
+    targets = torch.randint(0, 11, (3, 5))
+    weights = torch.randn(3, 5, dtype=torch.float64)
+    ours = logits.clone().requires_grad_()
+    logprobs, entropy = token_logprobs.logprobs_and_entropy(ours, targets, temperature, True, entropy_grad=False)
+    plain = logits.clone().requires_grad_()
+    log_softmax = torch.log_softmax(plain / temperature, dim=-1)
+    expected = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(entropy, -(log_softmax.exp() * log_softmax).sum(-1).detach())
+    assert not entropy.requires_grad
+    (logprobs * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(ours.grad, plain.grad)
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs.logprobs_and_entropy(x, targets, temperature, False)[0],
+        (logits.clone().requires_grad_(),))
+
+
+def test_entropy_in_the_loss_keeps_its_gradient():
+    from opentinker.engine.backend.token_logprobs import logprobs_and_entropy
+
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    _, entropy = logprobs_and_entropy(logits, torch.zeros(2, 3, dtype=torch.long), 1.0, True, entropy_grad=True)
+    entropy.sum().backward()
+    assert logits.grad is not None and float(logits.grad.abs().sum()) > 0
+
+
 def test_shared_prefix_handles_one_token_responses(make_backend, arithmetic_prompt_ids):
     batch = TokenBatch.from_responses([arithmetic_prompt_ids[0]] * 2 + [arithmetic_prompt_ids[1]] * 2,
                                       [[5], [6], [7], [8]])

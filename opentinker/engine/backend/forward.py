@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from opentinker.engine.algorithms import entropy_from_logits
+from opentinker.engine.backend.token_logprobs import logprobs_and_entropy
 from opentinker.engine.batch import ModelInputs, TokenBatch, packed_inputs, padded_inputs, shared_prefix_inputs
 
 
@@ -27,17 +27,24 @@ class ResponseScorer:
     share_prompt_prefix: bool = True  # not with activation checkpointing (it re-runs layers without a cache)
 
     def __call__(
-        self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool
+        self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (and entropy) of each response token, [B, R]; 0 past each response."""
+        """Logprobs (and entropy) of each response token, [B, R]; 0 past each response. The
+        entropy is differentiable only with ``entropy_grad`` (a loss term, not a statistic)."""
         with self._autocast():
-            logits, targets, valid = self._response_logits(model, batch)
-        logits = logits.float() / temperature
+            pieces, targets, valid = self._response_logits(model, batch)
         targets, valid = targets.to(self.device), valid.to(self.device)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        logprobs = logprobs * valid
-        entropy = entropy_from_logits(logits) * valid if with_entropy else None
-        return logprobs, entropy
+        logprobs, entropy, start = [], [], 0
+        for logits in pieces:  # consecutive spans of response positions
+            end = start + logits.shape[1]
+            piece_logprobs, piece_entropy = logprobs_and_entropy(
+                logits, targets[:, start:end], temperature, with_entropy, entropy_grad)
+            logprobs.append(piece_logprobs)
+            entropy.append(piece_entropy)
+            start = end
+        entropy_out = torch.cat(entropy, dim=1) * valid if with_entropy else None
+        return torch.cat(logprobs, dim=1) * valid, entropy_out
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -48,12 +55,19 @@ class ResponseScorer:
         return packed_inputs(batch) if self.use_remove_padding else padded_inputs(batch, self.pad_token_id)
 
     def _response_logits(self, model: PreTrainedModel, batch: TokenBatch):
-        """[B, R, V] logits at the positions that predict each response token."""
+        """The logits at the positions that predict each response token: [B, r_i, V] pieces
+        that together span the R response positions (kept apart: joining them copies [B, R, V])."""
         repeated_prompts = len({tuple(p) for p in batch.prompt_ids}) < len(batch)
         if not self.use_remove_padding and self.share_prompt_prefix and repeated_prompts:
             return self._shared_prefix_logits(model, batch)
         inputs = self._inputs(batch)
-        keep = inputs.logit_cols if inputs.attention_mask is not None else inputs.logit_cols.reshape(1, -1)
+        # A 1-D logits_to_keep (columns kept in every row) is what every transformers 5.x
+        # accepts; per-row columns are gathered afterwards.
+        if inputs.attention_mask is None:  # one packed row: its columns are the response slots
+            first, keep = 0, inputs.logit_cols.reshape(-1)
+        else:  # padded rows: the span of columns any row needs
+            first = int(inputs.logit_cols.min())
+            keep = torch.arange(first, int(inputs.logit_cols.max()) + 1)
         logits = model(
             input_ids=inputs.input_ids.to(self.device),
             position_ids=inputs.position_ids.to(self.device),
@@ -61,7 +75,10 @@ class ResponseScorer:
             logits_to_keep=keep.to(self.device),
             use_cache=False,
         ).logits
-        return logits.reshape(len(batch), batch.response_width, -1), inputs.targets, inputs.valid
+        if inputs.attention_mask is None:
+            return [logits.reshape(len(batch), batch.response_width, -1)], inputs.targets, inputs.valid
+        columns = (inputs.logit_cols - first).to(self.device)
+        return [torch.take_along_dim(logits, columns.unsqueeze(-1), dim=1)], inputs.targets, inputs.valid
 
     def _shared_prefix_logits(self, model: PreTrainedModel, batch: TokenBatch):
         inputs = shared_prefix_inputs(batch, self.pad_token_id)
@@ -76,7 +93,7 @@ class ResponseScorer:
         group_of_row = inputs.group_of_row.to(device)
         first = prompt_out.logits[:, -1][group_of_row].unsqueeze(1)  # predicts response token 0
         if inputs.response_input_ids.shape[1] == 0:
-            return first, inputs.targets, inputs.valid
+            return [first], inputs.targets, inputs.valid
         cache = prompt_out.past_key_values
         cache.batch_select_indices(group_of_row)
         rest = model(
@@ -86,7 +103,7 @@ class ResponseScorer:
             past_key_values=cache,
             use_cache=True,
         ).logits
-        return torch.cat([first, rest], dim=1), inputs.targets, inputs.valid
+        return [first, rest], inputs.targets, inputs.valid
 
 
 def pad_to(values: torch.Tensor, width: int) -> torch.Tensor:

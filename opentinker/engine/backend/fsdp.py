@@ -154,7 +154,7 @@ class FSDPRank:
         model = self.reference if reference and self.reference is not None else self.model
         model.eval()
         with self.model.disable_adapter() if reference and self.options.lora else contextlib.nullcontext():
-            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
+            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy, entropy_grad=False)
         return logprobs.cpu(), None if entropy is None else entropy.cpu()
 
     def forward_backward(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None,
@@ -162,7 +162,8 @@ class FSDPRank:
         spec, config = resolve_loss(loss_fn, loss_config)
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
-        logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy)
+        logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy,
+                                        entropy_grad=spec.needs_entropy(config))
         out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
         (out.loss * self.world_size).backward()  # FSDP averages gradients over the ranks; ours sum
         return (logprobs.detach().cpu(), out.elementwise.cpu(), out.metrics,

@@ -70,7 +70,7 @@ class LocalBackend:
         was_training = model.training
         model.eval()
         with self.model.disable_adapter() if reference and self.lora else contextlib.nullcontext():
-            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy)
+            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy, entropy_grad=False)
         model.train(was_training)
         return ForwardOutput(logprobs.cpu(), None if entropy is None else entropy.cpu())
 
@@ -87,7 +87,8 @@ class LocalBackend:
         check_inputs(spec, batch.tensors, tuple(batch.response_mask.shape))
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
-        logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy)
+        logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy,
+                                        entropy_grad=spec.needs_entropy(config))
         out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
         out.loss.backward()
         return ForwardBackwardOutput(
