@@ -97,6 +97,12 @@ DEFAULTS: dict[str, Any] = {
             "top_p": 1.0,
             "top_k": -1,
             "gpu_memory_utilization": 0.5,
+            # vllm: engines x GPUs each, on the training GPUs (asleep during updates) or after them.
+            "tensor_model_parallel_size": 1,
+            "replicas": 1,
+            "placement": "colocated",  # colocated | separate
+            "enable_prefix_caching": True,
+            "max_model_len": None,  # vllm: None = data.max_prompt_length + data.max_response_length
             "max_batch_size": 256,  # concurrent sequences in one generate call
             "val_temperature": 0.0,  # greedy validation
             "val_n": 1,  # samples per validation prompt; > 1 (with val_temperature > 0) reports pass@k
@@ -179,6 +185,7 @@ TYPES: dict[str, type] = {
     "actor_rollout_ref.actor.clip_ratio_low": float,
     "actor_rollout_ref.actor.clip_ratio_high": float,
     "actor_rollout_ref.rollout.multi_turn.env_error_reward": float,
+    "actor_rollout_ref.rollout.max_model_len": int,
     "algorithm.judge.model": str,
     "algorithm.judge.base_url": str,
     "trainer.default_local_dir": str,
@@ -197,6 +204,7 @@ CHOICES: dict[str, list[str]] = {
     "actor_rollout_ref.actor.kl_loss_type": ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"],
     "actor_rollout_ref.actor.optim.warmup_style": ["constant", "cosine"],
     "actor_rollout_ref.rollout.name": ["transformers", "vllm"],
+    "actor_rollout_ref.rollout.placement": ["colocated", "separate"],
     "actor_rollout_ref.rollout.multi_turn.reward_mode": ["sum", "last", "score"],
     "algorithm.adv_estimator": [
         "gae", "grpo", "grpo_weighted_add", "grpo_weighted_mul", "rloo",
@@ -242,6 +250,9 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "actor_rollout_ref.rollout.top_k": (-1, 1_000_000),
     "actor_rollout_ref.rollout.gpu_memory_utilization": (0, 1),
     "actor_rollout_ref.rollout.max_batch_size": (1, 4096),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": (1, 8),
+    "actor_rollout_ref.rollout.replicas": (1, 8),
+    "actor_rollout_ref.rollout.max_model_len": (16, 131072),
     "actor_rollout_ref.rollout.val_temperature": (0, 10),
     "actor_rollout_ref.rollout.val_n": (1, 64),
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": (1, 64),

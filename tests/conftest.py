@@ -88,3 +88,25 @@ def ray_session():
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def heldout_run(tmp_path):
+    """``run(*overrides, lr=3e-5, timeout=600) -> metrics history``: a seeded 60-step GRPO run of
+    ``opentinker-train`` on the warm tiny model (KL loss on, held-out accuracy at steps 0 and
+    60) in a subprocess; fails with its stderr if it fails."""
+    import json
+
+    def run(*overrides: str, lr: float = 3e-5, timeout: int = 600) -> list[dict]:
+        metrics_file = tmp_path / "metrics.jsonl"
+        result = subprocess.run(
+            [sys.executable, "-m", "opentinker.engine.train_cli",
+             "trainer.total_training_steps=60", "trainer.test_freq=60", "data.val_batch_size=200",
+             f"actor_rollout_ref.actor.optim.lr={lr}", "actor_rollout_ref.actor.use_kl_loss=true",
+             "trainer.seed=0", "trainer.progress_bar=false", f"--metrics-out={metrics_file}", *overrides],
+            capture_output=True, text=True, timeout=timeout,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(line) for line in metrics_file.read_text().splitlines()]
+
+    return run

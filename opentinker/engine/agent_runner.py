@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
 from opentinker.engine.chat import ChatTemplater
-from opentinker.engine.rollout import Completion, RequestBatcher, SamplingParams
+from opentinker.engine.rollout import AsyncCompletions, Completion, RequestBatcher, SamplingParams
 from opentinker.environments.interaction import Interaction
 from opentinker.environments.registry import select_interaction
 
@@ -45,13 +45,13 @@ class AgentLoopRunner:
 
     def __init__(
         self,
-        batcher: RequestBatcher,
+        requests: AsyncCompletions,
         tokenizer: PreTrainedTokenizerBase,
         templater: ChatTemplater,
         config: AgentLoopConfig,
         interactions: Mapping[str, Interaction],
     ):
-        self.batcher = batcher
+        self.requests = requests  # a RequestBatcher (owned: closed here) or an engine with agenerate
         self.tokenizer = tokenizer
         self.templater = templater
         self.config = config
@@ -65,7 +65,7 @@ class AgentLoopRunner:
         return asyncio.run_coroutine_threadsafe(self._run_all(prompts, params), self._loop).result()
 
     async def _run_all(self, prompts: Sequence["Prompt"], params: SamplingParams):
-        loop = AgentLoop(self.batcher.agenerate, self.tokenizer, self.templater, self.config, params)
+        loop = AgentLoop(self.requests.agenerate, self.tokenizer, self.templater, self.config, params)
         results = await asyncio.gather(*(self._run_one(loop, prompt) for prompt in prompts))
         return [trajectory for trajectory, _ in results], [name for _, name in results]
 
@@ -79,7 +79,8 @@ class AgentLoopRunner:
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        self.batcher.close()
+        if isinstance(self.requests, RequestBatcher):
+            self.requests.close()
 
 
 def environment_metrics(rollout) -> dict[str, float]:

@@ -47,7 +47,9 @@ from opentinker.engine.model_loading import (
 )
 from opentinker.engine.backend import TrainingBackend, make_backend
 from opentinker.engine.ppo import PPOUpdate
-from opentinker.engine.rollout import RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine
+from opentinker.engine.rollout import (
+    AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
+)
 from opentinker.environments.interaction import Interaction
 
 if TYPE_CHECKING:
@@ -142,8 +144,12 @@ class RLTrainer:
         self.agent_loops: AgentLoopRunner | None = None
         if self.interactions:
             multi_turn = ar.rollout.multi_turn
+            # An engine with its own continuous batching takes each turn as it comes; else
+            # concurrent turns are gathered into batches.
+            requests = self.rollout if isinstance(self.rollout, AsyncCompletions) else RequestBatcher(
+                self.rollout, max_batch_size=ar.rollout.max_batch_size)
             self.agent_loops = AgentLoopRunner(
-                RequestBatcher(self.rollout, max_batch_size=ar.rollout.max_batch_size),
+                requests,
                 self.tokenizer,
                 ChatTemplater(self.tokenizer, self.eos_ids),
                 AgentLoopConfig(
@@ -172,8 +178,18 @@ class RLTrainer:
         ar = self.cfg.actor_rollout_ref
         if ar.rollout.name == "vllm":
             return make_rollout_engine(
-                "vllm", model_path=self.model_path, gpu_memory_utilization=ar.rollout.gpu_memory_utilization,
+                "vllm",
+                model_path=self.model_path,
                 seed=self.cfg.trainer.seed,
+                max_model_len=ar.rollout.max_model_len or self.cfg.data.max_prompt_length + self.cfg.data.max_response_length,
+                gpu_memory_utilization=ar.rollout.gpu_memory_utilization,
+                tensor_parallel_size=ar.rollout.tensor_model_parallel_size,
+                replicas=ar.rollout.replicas,
+                placement=ar.rollout.placement,
+                training_gpus=self.cfg.trainer.n_gpus_per_node if self.device.type == "cuda" else 0,
+                enable_prefix_caching=ar.rollout.enable_prefix_caching,
+                device=self.device.type,
+                trust_remote_code=ar.model.trust_remote_code,
             )
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, trust_remote_code=ar.model.trust_remote_code)
@@ -184,6 +200,7 @@ class RLTrainer:
             pad_token_id=self.tokenizer.pad_token_id,
             seed=self.cfg.trainer.seed,
             max_batch_size=ar.rollout.max_batch_size,
+            tokenizer=self.tokenizer,
         )
 
     # -- phases --------------------------------------------------------------------
@@ -322,6 +339,7 @@ class RLTrainer:
         cfg = self.cfg
         temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
         batch = self.to_batch(rollout)
+        self.rollout.sleep()  # a colocated GPU engine gives its memory to training until the sync
         if self.ppo.needs_old_logprobs(batch):  # decided by the batch actually trained
             with timer.phase("old_logprob"):
                 batch.tensors["old_logprobs"] = self.ppo.logprobs(batch, temperature=temperature)
@@ -333,6 +351,7 @@ class RLTrainer:
         with timer.phase("update"):
             update_metrics = self.ppo.update(batch, temperature=temperature)
         with timer.phase("sync"):
+            self.rollout.wake()
             self.sync_weights()
         return batch, {**adv_metrics, **update_metrics}
 
@@ -515,6 +534,9 @@ class RLTrainer:
         """Stop the agent-loop threads and the wandb run (the trainer is unusable afterwards)."""
         if self.agent_loops is not None:
             self.agent_loops.close()
+        close_rollout = getattr(self.rollout, "close", None)
+        if callable(close_rollout):
+            close_rollout()
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.backend.close()

@@ -503,7 +503,8 @@ class _ServerThread:
         self.url = _url(host, port)
         self.sock = sock
         config = uvicorn.Config(
-            app, log_level=log_level, access_log=access_log, lifespan="on", timeout_graceful_shutdown=5
+            app, log_level=log_level, access_log=access_log, lifespan="on", timeout_graceful_shutdown=5,
+            loop="asyncio",  # the same loop with or without uvloop installed (vLLM pulls it in)
         )
         self.server = uvicorn.Server(config)
         self.error: BaseException | None = None

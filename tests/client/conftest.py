@@ -382,7 +382,7 @@ class _ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="critical", access_log=False, lifespan="off",
+        config = uvicorn.Config(app, log_level="critical", access_log=False, lifespan="off", loop="asyncio",
                                 timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

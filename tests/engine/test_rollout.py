@@ -17,7 +17,8 @@ from opentinker.engine.rollout.transformers_engine import TransformersRolloutEng
 @pytest.fixture
 def engine(tiny_model, tiny_tokenizer):
     return TransformersRolloutEngine(
-        tiny_model, eos_token_ids=[tiny_tokenizer.eos_token_id], pad_token_id=tiny_tokenizer.pad_token_id, seed=0
+        tiny_model, eos_token_ids=[tiny_tokenizer.eos_token_id], pad_token_id=tiny_tokenizer.pad_token_id, seed=0,
+        tokenizer=tiny_tokenizer,
     )
 
 
@@ -176,3 +177,103 @@ def test_sampler_draws_from_the_distribution(engine):
     frequencies = torch.bincount(draws, minlength=5).float() / 20_000
     assert frequencies[1] == 0
     assert torch.allclose(frequencies, probs, atol=0.015)
+
+
+# -- the decode loop against plain forward passes ------------------------------------
+
+
+def full_forward(model, prompt, completion, temperature):
+    """Logprobs of ``completion`` from one uncached forward pass over prompt + completion, and
+    the most likely token at each of its positions."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1), logits.argmax(-1).tolist()
+
+
+def test_decode_matches_a_full_forward_pass(engine, tiny_model, arithmetic_prompt_ids):
+    """The in-place KV cache, one prefill per distinct prompt and dropping finished rows change no
+    number: each completion's logprobs, and every greedy token, are those of one plain forward
+    pass over prompt + completion."""
+    prompts = [p for p in arithmetic_prompt_ids[:3] for _ in range(3)] + [arithmetic_prompt_ids[3][:7]]
+    temperatures = [0, 1.0, 0.7, 1.0, 0, 1.3, 0, 0.7, 1.0, 0]
+    max_tokens = [5, 30, 12, 30, 1, 18, 30, 9, 24, 30]
+    params = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=i % 3 != 2)
+              for i, (t, m) in enumerate(zip(temperatures, max_tokens))]
+    completions = engine.generate(prompts, params)
+    assert len({len(c.token_ids) for c in completions}) > 3  # rows left the batch at different steps
+    for prompt, param, completion in zip(prompts, params, completions):
+        if param.ignore_eos:
+            assert len(completion.token_ids) == param.max_tokens
+        expected, most_likely = full_forward(tiny_model, prompt, completion.token_ids, param.temperature or 1.0)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-5)
+        if param.temperature == 0:
+            assert completion.token_ids == most_likely
+
+
+def test_repeated_prompts_sample_like_distinct_ones(engine, arithmetic_prompt_ids):
+    """A prompt repeated in the batch (prefilled once, its cache copied) gives what it gives alone."""
+    prompt = arithmetic_prompt_ids[0]
+    seeded = [SamplingParams(temperature=1.0, max_tokens=16, seed=s, ignore_eos=True) for s in (5, 6, 7)]
+    together = engine.generate([prompt] * 3, seeded)
+    alone = [engine.generate([prompt], [p])[0] for p in seeded]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert len({tuple(c.token_ids) for c in together}) > 1  # each row drew its own tokens
+
+
+def test_in_place_cache_layer_matches_transformers_dynamic_layer():
+    """Writes in place, grows past its capacity, keeps only selected rows and crops like
+    transformers' concatenating layer."""
+    from transformers.cache_utils import DynamicLayer
+
+    from opentinker.engine.rollout.kv_cache import InPlaceLayer
+
+    torch.manual_seed(0)
+    ours, theirs = InPlaceLayer(capacity=4), DynamicLayer()
+
+    def step(rows, tokens):
+        keys, values = torch.randn(rows, 2, tokens, 3), torch.randn(rows, 2, tokens, 3)
+        for got, want in zip(ours.update(keys, values), theirs.update(keys, values)):
+            assert torch.equal(got, want)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+
+    step(3, 3)
+    step(3, 1)
+    step(3, 2)  # 6 tokens: past the capacity of 4
+    for layer in (ours, theirs):
+        layer.batch_select_indices(torch.tensor([2, 0]))
+    step(2, 1)
+    for layer in (ours, theirs):
+        layer.crop(-2)
+    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    step(2, 1)
+
+
+def test_in_place_cache_replaces_the_full_attention_layers(tiny_model):
+    from opentinker.engine.rollout.kv_cache import InPlaceLayer, in_place_cache
+
+    cache = in_place_cache(tiny_model.config, capacity=8)
+    assert len(cache.layers) == tiny_model.config.num_hidden_layers
+    assert all(isinstance(layer, InPlaceLayer) and layer.capacity == 8 for layer in cache.layers)
+
+
+
+def test_stop_strings_end_a_completion_with_the_text_kept(engine, tiny_tokenizer, arithmetic_prompt_ids):
+    prompt = arithmetic_prompt_ids[0]
+    greedy = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    # The text of the greedy output's second plain (not special) token.
+    position = [i for i, t in enumerate(greedy.token_ids) if t not in tiny_tokenizer.all_special_ids][1]
+    stop_text = tiny_tokenizer.decode(greedy.token_ids[position])
+    params = [SamplingParams(temperature=0, max_tokens=12, stop=(stop_text,), ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]  # the same prompt, no stop
+    cut, uncut = engine.generate([prompt, prompt], params)
+    assert cut.finish_reason == "stop" and uncut.finish_reason == "length"
+    assert tiny_tokenizer.decode(cut.token_ids, skip_special_tokens=True).endswith(stop_text)
+    assert cut.token_ids == greedy.token_ids[: len(cut.token_ids)] and len(cut.token_ids) <= position + 1
+    assert uncut.token_ids == greedy.token_ids
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tiny_model, tiny_tokenizer, arithmetic_prompt_ids):
+    engine = TransformersRolloutEngine(tiny_model, [tiny_tokenizer.eos_token_id], tiny_tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
+        engine.generate(arithmetic_prompt_ids[:1], SamplingParams(stop=("1",)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -106,18 +105,9 @@ def test_checkpoints_are_written_as_hugging_face_folders(tiny_model_dir, tmp_pat
     [],  # one LocalBackend in this process
     ["actor_rollout_ref.actor.strategy=fsdp", "trainer.device=cpu", "trainer.n_gpus_per_node=2"],  # 2 gloo ranks
 ], ids=["local", "fsdp-2-ranks"])
-def test_grpo_raises_heldout_accuracy_of_the_warm_tiny_model(tiny_model_dir, tmp_path, backend):
+def test_grpo_raises_heldout_accuracy_of_the_warm_tiny_model(tiny_model_dir, heldout_run, backend):
     """The headline behaviour: a short, seeded GRPO run makes the model better at held-out sums."""
-    metrics_file = tmp_path / "metrics.jsonl"
-    result = subprocess.run(
-        [sys.executable, "-m", "opentinker.engine.train_cli",
-         "trainer.total_training_steps=60", "trainer.test_freq=60", "data.val_batch_size=200",
-         "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.use_kl_loss=true",
-         "trainer.seed=0", "trainer.progress_bar=false", f"--metrics-out={metrics_file}", *backend],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    history = heldout_run(*backend)
     before, after = history[0]["val/accuracy"], history[-1]["val/accuracy"]
     print(f"held-out greedy accuracy {before:.3f} -> {after:.3f}")
     assert 0.1 < before < 0.7  # the warm model is right sometimes, not always

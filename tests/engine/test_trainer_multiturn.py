@@ -149,7 +149,7 @@ def test_guess_the_number_runs_multi_turn_episodes(tiny_model_dir):
             train_rows=data_free_rows(8, "guess"), interactions={"guess": interaction},
         )
         metrics = trainer.fit()[-1]
-        batch_sizes = trainer.agent_loops.batcher.batch_sizes
+        batch_sizes = trainer.agent_loops.requests.batch_sizes
     assert max(batch_sizes) > 1  # concurrent agent loops shared generate calls
     assert metrics["env/guess/samples"] == 8
     assert metrics["env/guess/turns_mean"] > 1  # the env answered and the model guessed again

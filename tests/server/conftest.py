@@ -147,7 +147,8 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{port}"
         self.settings = dataclasses.replace(settings, port=port)  # the port it really serves on
         self.app = create_app(self.settings, runner_cls=runner_cls)
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
+                                loop="asyncio")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: self.server.run(sockets=[self.sock]), daemon=True)
 
@@ -184,7 +185,7 @@ def test_settings(data_dir: Path, **overrides: Any) -> ServerSettings:
         event_poll_s=0.05,
         cancel_grace_s=5.0,
         endpoint_check_timeout_s=2.0,
-        runner_call_timeout_s=1.0,
+        runner_call_timeout_s=3.0,  # a runner busy loading its model on a loaded machine still answers
         env_hosts=["127.0.0.1"],  # the tests' env servers run on loopback
         max_running_jobs_per_user=100,  # the quota tests set their own
         max_queued_jobs_per_user=100,

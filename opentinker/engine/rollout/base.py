@@ -38,7 +38,8 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``stop_token_ids`` end a completion in addition to the engine's end-of-sequence ids
-    (the stop token is kept in the output, as the model did produce it). ``seed`` makes a
+    (the stop token is kept in the output, as the model did produce it); ``stop`` strings end
+    it once the decoded text contains one (the tokens that spelled it are kept). ``seed`` makes a
     request reproducible on its own; without it the engine's seeded generator is used.
     """
 
@@ -47,6 +48,7 @@ class SamplingParams:
     top_k: int = -1
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
 
@@ -90,6 +92,14 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None:
         """Undo :meth:`sleep`."""
+
+
+@runtime_checkable
+class AsyncCompletions(Protocol):
+    """Anything an agent loop can ask for one completion at a time: a :class:`RequestBatcher`,
+    or an engine that batches concurrent requests itself (vLLM)."""
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> Completion: ...
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""A KV cache for the rollout decode loop that writes each new token in place.
+
+``DynamicCache`` grows every layer's keys and values with ``torch.cat`` at each decode step,
+which allocates and copies the whole cache once per token and layer. Here each full-attention
+layer owns one buffer sized for the prompt plus every token to come, and hands the model views
+of its filled part. Other layer kinds (sliding windows, ...) keep transformers' own layers.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+
+def _rows(buffer: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    """A new buffer holding ``buffer``'s rows ``index``; only the filled ``length`` positions are copied."""
+    selected = buffer.new_empty((len(index), *buffer.shape[1:]))
+    selected[:, :, :length] = buffer[:, :, :length].index_select(0, index.to(buffer.device))
+    return selected
+
+
+class InPlaceLayer(DynamicLayer):
+    """One layer's keys and values in ``[batch, heads, capacity, head_dim]`` buffers; a step
+    past ``capacity`` still works (the buffers are re-allocated, doubled)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, _ = key_states.shape
+        self._keys = key_states.new_empty((batch, heads, self.capacity, key_states.shape[-1]))
+        self._values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            self._grow(max(end, 2 * self._keys.shape[-2]))
+        self._keys[:, :, self.length:end] = key_states
+        self._values[:, :, self.length:end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+    def _refresh_views(self) -> None:
+        self.keys = self._keys[:, :, :self.length]
+        self.values = self._values[:, :, :self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._keys = _rows(self._keys, indices, self.length)
+            self._values = _rows(self._values, indices, self.length)
+            self._refresh_views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            index = torch.arange(self._keys.shape[0], device=self._keys.device).repeat_interleave(repeats)
+            self.batch_select_indices(index)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self._refresh_views()
+
+    def reset(self) -> None:
+        self.length = 0
+        super().reset()
+
+
+def in_place_cache(config: PreTrainedConfig, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose plain full-attention layers write in place,
+    each sized for ``capacity`` tokens."""
+    cache = DynamicCache(config=config)
+    if cache.layer_class_to_replicate is DynamicLayer:  # no layer list in the config: made lazily
+        cache.layer_class_to_replicate = partial(InPlaceLayer, capacity)
+    cache.layers = [InPlaceLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
