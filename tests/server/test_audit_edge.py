@@ -232,6 +232,12 @@ def test_10_server_mode_datasets_get_the_same_checks(alice):
         ({"data.max_response_length": 10**9}, "'data.max_response_length' must be >= 1 and <= 32768"),
         ({"data.max_prompt_length": 10**9}, "'data.max_prompt_length' must be >= 1 and <= 32768"),
         ({"actor_rollout_ref.actor.optim.lr": 2.0}, "'actor_rollout_ref.actor.optim.lr' must be >= 0 and <= 1"),
+        ({"actor_rollout_ref.rollout.replicas": 100},
+         "'actor_rollout_ref.rollout.replicas' must be >= 1 and <= 8"),
+        ({"actor_rollout_ref.rollout.tensor_model_parallel_size": 64},
+         "'actor_rollout_ref.rollout.tensor_model_parallel_size' must be >= 1 and <= 8"),
+        ({"actor_rollout_ref.rollout.max_model_len": 10**9},
+         "'actor_rollout_ref.rollout.max_model_len' must be >= 16 and <= 131072"),
     ],
 )
 def test_12_upper_bounds(alice, config, needle):
@@ -292,6 +298,7 @@ def test_14_bodies_past_the_limit_get_413(start_server, tmp_path, helpers):
         ("actor_rollout_ref.actor.kl_loss_type", "k4", None),
         ("actor_rollout_ref.actor.strategy", "deepspeed", None),
         ("actor_rollout_ref.rollout.name", "sglang", None),
+        ("actor_rollout_ref.rollout.placement", "seperate", "separate"),
         ("actor_rollout_ref.actor.optim.warmup_style", "linear", None),
     ],
 )

@@ -109,10 +109,6 @@ class TransformersRolloutEngine:
                 uniform[i] = torch.rand(1, generator=generators[row], dtype=torch.float64)
         return uniform
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Inverse-CDF sampling with one uniform number per row (see :meth:`_uniforms`)."""
-        return _inverse_cdf(logits, self._uniforms(rows, generators))
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -191,7 +187,7 @@ class TransformersRolloutEngine:
             step += 1
             hit_stop = settings.is_stop(chosen)
             if stop_texts:
-                hit_stop |= self._spelled_a_stop(tokens, active, step, stop_texts)
+                hit_stop |= self._spelled_a_stop(tokens, rows, step, stop_texts)
             done = hit_stop | (settings.max_tokens <= step)
             if bool(done.any()):  # record the finished rows, drop them from the cache and every per-row tensor
                 finished = active[done]
@@ -220,11 +216,12 @@ class TransformersRolloutEngine:
             for r, (n, s) in enumerate(zip(lengths.tolist(), stopped.tolist()))
         ]
 
-    def _spelled_a_stop(self, tokens: torch.Tensor, active: torch.Tensor, step: int,
+    def _spelled_a_stop(self, tokens: torch.Tensor, rows: list[int], step: int,
                         stop_texts: list[tuple[str, ...]]) -> torch.Tensor:
-        """Rows whose text so far (special tokens left out, as vLLM does) contains a stop string."""
-        hits = torch.zeros(len(active), dtype=torch.bool, device=tokens.device)
-        for i, row in enumerate(active.tolist()):
+        """Which of ``rows`` have text so far (special tokens left out, as vLLM does) that
+        contains one of their stop strings."""
+        hits = torch.zeros(len(rows), dtype=torch.bool, device=tokens.device)
+        for i, row in enumerate(rows):
             if stop_texts[row]:
                 text = self.tokenizer.decode(tokens[row, :step].tolist(), skip_special_tokens=True)
                 hits[i] = any(stop in text for stop in stop_texts[row])

@@ -125,6 +125,8 @@ class VLLMRolloutEngine:
         self._vllm = vllm
         self.model_path = str(model_path)
         self.expected_names = checkpoint_tensor_names(model_path)
+        # Also accepted: lm_head.weight, sent by transformers state dicts even when tied to the embeddings.
+        self._known_names = self.expected_names | {"lm_head.weight"}
         self.on_gpu = torch.cuda.is_available() if device == "auto" else device == "cuda"
         common = dict(
             model=self.model_path,
@@ -177,6 +179,9 @@ class VLLMRolloutEngine:
         for devices in self._devices:
             with visible_devices(devices):  # the engine's processes inherit it when they start
                 self._engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**common)))
+
+    async def _on_every_replica(self, engine_method: str, /, **kwargs) -> None:
+        await asyncio.gather(*(getattr(engine, engine_method)(**kwargs) for engine in self._engines))
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -259,13 +264,12 @@ class VLLMRolloutEngine:
 
         if any(self._in_flight):
             raise RuntimeError(f"update_weights: {sum(self._in_flight)} request(s) still running")
-        tied = {"lm_head.weight"}  # sent by transformers state dicts even when tied to the embeddings
         sent: set[str] = set()
         problem = None
         await self._on_every_replica("collective_rpc", method="begin_weight_sync")
         try:
             for bucket in bucketed(named_tensors(weights), SYNC_BUCKET_BYTES):  # any source, regrouped
-                unknown = [name for name, _ in bucket if name not in self.expected_names | tied]
+                unknown = [name for name, _ in bucket if name not in self._known_names]
                 if unknown:
                     problem = f"update_weights: the rollout model has no tensor named '{unknown[0]}'"
                     break
@@ -282,9 +286,6 @@ class VLLMRolloutEngine:
             raise KeyError(problem)
 
     # -- memory ----------------------------------------------------------------------
-    async def _on_every_replica(self, engine_method: str, /, **kwargs) -> None:
-        await asyncio.gather(*(getattr(engine, engine_method)(**kwargs) for engine in self._engines))
-
     def sleep(self) -> None:
         """Free the GPU's weights and KV cache during training (level 1); nothing on CPU."""
         if self.on_gpu and self.colocated and not self._sleeping:
