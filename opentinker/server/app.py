@@ -26,6 +26,8 @@ from opentinker.server.middleware import BodySizeLimit
 from opentinker.server.routers import checkpoints, env, events, health, jobs, models, steps
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
+from opentinker.server.tinker import routes as tinker_routes
+from opentinker.server.tinker.service import TinkerService
 from opentinker.server.validation import Tokenizers
 
 log = logging.getLogger("opentinker.server")
@@ -56,6 +58,8 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.state.store = store
         app.state.manager = manager
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
+        app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy, settings.tinker_settings())
+        await app.state.tinker.start()
         for job_id in interrupted:  # those with a checkpoint continue from it
             if await manager.resume(job_id, "resuming from its last checkpoint after a server restart"):
                 log.info("job %s resumes from its last checkpoint", job_id)
@@ -63,6 +67,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         try:
             yield
         finally:
+            await app.state.tinker.shutdown()
             await manager.shutdown()
             store.close()
 
@@ -81,5 +86,6 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     install_error_handlers(app)
     for module in (health, models, jobs, steps, events, checkpoints, env):
         app.include_router(module.router, prefix=API_PREFIX)
+    app.include_router(tinker_routes.router)  # the Tinker API, under /api/v1
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

@@ -103,7 +103,7 @@ def _ref_future(ref: Any) -> asyncio.Future:
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _reason(exc: BaseException) -> str:
+def ray_failure_reason(exc: BaseException) -> str:
     """A short account of a Ray failure: the runner's own exception when there is one."""
     if isinstance(exc, RayTaskError):
         cause = getattr(exc, "cause", None)
@@ -516,11 +516,11 @@ class JobManager:
             # A RayActorError from a drain may come before run's own; prefer run's account.
             if run is not None and run.done() and run.exception() is not None:
                 exc = run.exception()  # type: ignore[assignment]
-            log.warning("job %s failed: %s", job_id, _reason(exc))
-            self.store.set_status(job_id, JobStatus.FAILED, error=_reason(exc))
+            log.warning("job %s failed: %s", job_id, ray_failure_reason(exc))
+            self.store.set_status(job_id, JobStatus.FAILED, error=ray_failure_reason(exc))
         except Exception as exc:
             log.exception("job %s: watching the runner failed", job_id)
-            self.store.set_status(job_id, JobStatus.FAILED, error=_reason(exc))
+            self.store.set_status(job_id, JobStatus.FAILED, error=ray_failure_reason(exc))
         finally:
             if run is not None:
                 if run.done():

@@ -55,6 +55,13 @@ class ServerSettings:
     runner_call_timeout_s: float = 10.0  # control calls (queued, request_checkpoint) to a runner
     keepalive_s: float = 10.0  # SSE comment interval, so proxies keep idle streams open
     endpoint_check_timeout_s: float = 3.0  # POST /v1/env/check: per env server /health
+    # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
+    tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
+    tinker_ranks: int = 1  # FSDP ranks per model (tinker_strategy=fsdp)
+    tinker_max_models_per_user: int = 4  # live training clients per user
+    tinker_session_timeout_s: float = 300.0  # a session without a heartbeat this long ends
+    tinker_long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (< the SDK's 45 s)
+    tinker_keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
     job_policy: JobPolicy = field(init=False, repr=False)  # derived: what jobs may ask for
 
     def __post_init__(self) -> None:
@@ -62,12 +69,17 @@ class ServerSettings:
         for name in ("models", "trust_remote_code", "judge_models", "loggers", "allowed_interactions", "env_hosts"):
             setattr(self, name, list(getattr(self, name)))
         for name in ("max_queued_steps", "max_running_jobs_per_user", "max_env_shards", "max_body_bytes",
-                     "max_rows_per_step", "max_concurrent_env_checks"):
+                     "max_rows_per_step", "max_concurrent_env_checks", "tinker_ranks",
+                     "tinker_max_models_per_user", "tinker_keep_ephemeral"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_jobs_per_user < 0:
             raise ValueError(f"max_queued_jobs_per_user must be >= 0, got {self.max_queued_jobs_per_user}")
-        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s"):
+        if self.tinker_strategy not in ("local", "fsdp"):
+            raise ValueError(f"tinker_strategy must be 'local' or 'fsdp', got {self.tinker_strategy!r}")
+        if not 0 < self.tinker_long_poll_s < 45:
+            raise ValueError(f"tinker_long_poll_s must be in (0, 45) (the SDK's read timeout), got {self.tinker_long_poll_s}")
+        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "tinker_session_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self.config_limits = check_limits(self.config_limits)
@@ -92,3 +104,13 @@ class ServerSettings:
 
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
+
+    def tinker_settings(self):
+        from opentinker.server.tinker.host import HostSettings
+        from opentinker.server.tinker.service import TinkerSettings
+
+        return TinkerSettings(
+            session_timeout_s=self.tinker_session_timeout_s, long_poll_s=self.tinker_long_poll_s,
+            keep_ephemeral=self.tinker_keep_ephemeral, max_models_per_user=self.tinker_max_models_per_user,
+            host=HostSettings(strategy=self.tinker_strategy, ranks=self.tinker_ranks),
+        )

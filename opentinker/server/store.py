@@ -242,6 +242,10 @@ class Store:
         with self._lock:
             return self._conn.execute(sql, tuple(params)).fetchall()
 
+    # Other modules' tables (the Tinker API's) live in the same file, through these two.
+    transaction = _transaction
+    query = _query
+
     def server_id(self) -> str:
         """A random id made the first time this store is opened: it names this server's
         things in places shared with other servers (its Ray namespace)."""

@@ -12,7 +12,8 @@ One protocol, :class:`TrainingBackend`, whoever holds the model (one process, or
   call, so schedules belong to the caller;
 - ``weights()`` -> the full weights as size-bounded buckets of ``(name, tensor)``, for weight
   sync and export, never one whole second state dict;
-- ``save_state(path)`` / ``load_state(path)``: weights, optimizer, RNG and step; ``export_hf(path)``.
+- ``save_state(path)`` / ``load_state(path, with_optimizer=)``: weights, optimizer, RNG and step;
+  ``export_hf(path)``.
 
 All per-token tensors are ``[B, R]``, aligned with ``TokenBatch.response_mask``.
 """
@@ -103,7 +104,7 @@ class TrainingBackend(Protocol):
 
     def save_state(self, path: str | Path) -> Path: ...
 
-    def load_state(self, path: str | Path) -> None: ...
+    def load_state(self, path: str | Path, *, with_optimizer: bool = True) -> None: ...
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path: ...
 

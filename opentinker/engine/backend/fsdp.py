@@ -224,7 +224,7 @@ class FSDPRank:
                     "has_optimizer": self.optimizer is not None},
                    Path(path) / f"rank{self.rank}.pt")
 
-    def load_state(self, path: str) -> None:
+    def load_state(self, path: str, with_optimizer: bool = True) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -240,6 +240,8 @@ class FSDPRank:
         set_state_dict(self.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         torch.set_rng_state(extra["rng"])
         self.step = int(extra["step"])
+        if not with_optimizer:
+            self.optimizer = None  # made afresh at the next step
 
     def export_hf(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -402,8 +404,8 @@ class FSDPBackend:
         self._call("save_state", str(path))
         return path
 
-    def load_state(self, path: str | Path) -> None:
-        self._call("load_state", str(path))
+    def load_state(self, path: str | Path, *, with_optimizer: bool = True) -> None:
+        self._call("load_state", str(path), with_optimizer)
         self.step = int(torch.load(Path(path) / "rank0.pt", weights_only=False)["step"])
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path:

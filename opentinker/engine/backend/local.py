@@ -141,13 +141,15 @@ class LocalBackend:
         )
         return path
 
-    def load_state(self, path: str | Path) -> None:
+    def load_state(self, path: str | Path, *, with_optimizer: bool = True) -> None:
+        """Everything :meth:`save_state` wrote; ``with_optimizer=False`` keeps only the weights
+        (and step) and starts the optimizer afresh."""
         state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=False)
         missing, unexpected = self.model.load_state_dict(state["model"], strict=not self.lora)
         if unexpected or (self.lora and set(state["model"]) != set(self._trained_state())):
             raise ValueError(f"{path}: the saved state does not fit this model (unexpected: {unexpected[:3]})")
-        if state["optimizer"] is None:
-            self.optimizer = None  # saved before the first step: so it is again
+        if state["optimizer"] is None or not with_optimizer:
+            self.optimizer = None  # saved before the first step (or not wanted): made at the next
         else:
             if self.optimizer is None:
                 self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=0.0)

@@ -1,0 +1,63 @@
+"""Tinker datums as the training primitives' :class:`TokenBatch`, and the outputs back.
+
+A Tinker datum is N model-input tokens plus per-token inputs of length N, position i
+predicting ``target_tokens[i]``. The backend scores *response* tokens given a prompt, so a
+datum becomes prompt = its first token and response = the rest of the input followed by the
+last target: response token j is then scored given input[:j+1], exactly Tinker's position j.
+That holds when the targets are the input shifted by one (what every Tinker client builds);
+other targets are refused with a user error rather than scored wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import numpy as np
+import torch
+
+from opentinker.engine.batch import TokenBatch
+
+#: Tinker's per-token input names -> the backend losses' names.
+INPUT_NAMES = {"weights": "weights", "logprobs": "old_logprobs", "advantages": "advantages"}
+
+
+#: One datum as the server passes it: the model input's N token ids and the per-token inputs.
+Datum = tuple[np.ndarray, Mapping[str, np.ndarray]]
+
+
+class DatumError(ValueError):
+    """A datum the backend cannot train on as sent (a user error)."""
+
+
+def token_batch(data: Sequence[Datum], vocab_size: int | None = None) -> TokenBatch:
+    prompts, responses = [], []
+    for index, (tokens, inputs) in enumerate(data):
+        tokens = np.asarray(tokens).tolist()
+        targets = np.asarray(inputs["target_tokens"]).tolist()
+        if vocab_size is not None and max(tokens + targets) >= vocab_size:
+            raise DatumError(f"data[{index}]: token id {max(tokens + targets)} is past the model's vocabulary "
+                             f"({vocab_size} ids)")
+        if tokens[1:] != targets[:-1]:
+            first = next(i for i in range(len(tokens) - 1) if tokens[i + 1] != targets[i])
+            raise DatumError(
+                f"data[{index}]: target_tokens[{first}] is {targets[first]} but model_input[{first + 1}] is "
+                f"{tokens[first + 1]}; this server trains next-token targets (target_tokens[i] == "
+                "model_input[i+1], the last target free)")
+        prompts.append(tokens[:1])
+        responses.append(tokens[1:] + targets[-1:])
+    batch = TokenBatch.from_responses(prompts, responses)
+    for name, ours in INPUT_NAMES.items():
+        present = [name in inputs for _, inputs in data]
+        if any(present):
+            if not all(present):
+                raise DatumError(f"loss_fn_inputs[{name!r}] is on some datums but not all")
+            batch.tensors[ours] = batch.pad_response_values([np.asarray(inputs[name], np.float32) for _, inputs in data])
+    return batch
+
+
+def per_datum(batch: TokenBatch, **fields: torch.Tensor) -> list[dict[str, np.ndarray]]:
+    """Each ``[B, R]`` field cut back to each datum's own length, as float32 arrays."""
+    lengths = [len(r) for r in batch.response_ids]
+    arrays = {name: value.detach().float().cpu().numpy() for name, value in fields.items()}
+    return [{name: values[row, :length].copy() for name, values in arrays.items()}
+            for row, length in enumerate(lengths)]
+

@@ -1,0 +1,126 @@
+"""One Tinker training client's model: the training primitives behind a Ray actor.
+
+The server runs one :class:`TinkerModelWorker` per model (``create_model`` or a load from a
+checkpoint) and calls it one request at a time, in the client's ``seq_id`` order. It holds a
+``LocalBackend`` or an ``FSDPBackend`` (whose ranks are Ray actors of their own), so it is
+the same engine the PPO recipe trains with: LoRA or full fine-tuning, sum-reduced losses,
+gradients that accumulate until ``optim_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opentinker.engine.backend import AdamParams, make_backend
+from opentinker.engine.backend.losses import resolve_loss, weighted_loss
+from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
+
+SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
+#: LoRA targets per Tinker's ``train_attn`` / ``train_mlp`` switches (Llama/Qwen module names).
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a Tinker model is made of: a served model's folder, LoRA (rank > 0) or full
+    fine-tuning, and how the operator runs it (``strategy`` local | fsdp, ``device``, ranks)."""
+
+    model_path: str | None  # None: the embedded tiny model
+    lora_rank: int = 0
+    lora_alpha: int = 32
+    train_attn: bool = True
+    train_mlp: bool = True
+    seed: int = 0
+    trust_remote_code: bool = False
+    strategy: str = "local"
+    device: str = "auto"
+    ranks: int = 1
+
+    def target_modules(self) -> str:
+        modules = (ATTENTION_MODULES if self.train_attn else ()) + (MLP_MODULES if self.train_mlp else ())
+        if not modules:
+            raise ValueError("lora_config: train_attn and train_mlp are both false, so there is nothing to train")
+        return ",".join(modules)
+
+    def config(self):
+        from opentinker.config import make_config
+
+        return make_config({
+            "actor_rollout_ref.model.lora_rank": self.lora_rank,
+            "actor_rollout_ref.model.lora_alpha": self.lora_alpha,
+            "actor_rollout_ref.model.target_modules": self.target_modules() if self.lora_rank else "all-linear",
+            "actor_rollout_ref.model.trust_remote_code": self.trust_remote_code,
+            "actor_rollout_ref.actor.strategy": self.strategy,
+            "actor_rollout_ref.actor.use_kl_loss": False,  # Tinker losses have no reference term
+            "trainer.device": self.device,
+            "trainer.n_gpus_per_node": self.ranks,
+            "trainer.seed": self.seed,
+        })
+
+
+class TinkerModelWorker:
+    def __init__(self, spec: ModelSpec):
+        from transformers import AutoConfig
+
+        from opentinker.engine.model_loading import load_tokenizer, pick_device, resolve_model_path
+
+        torch.manual_seed(spec.seed)
+        self.spec = spec
+        path = resolve_model_path(spec.model_path)
+        tokenizer = load_tokenizer(path, trust_remote_code=spec.trust_remote_code)
+        self.vocab_size = int(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code).vocab_size)
+        self.backend = make_backend(spec.config(), path, tokenizer.pad_token_id, pick_device(spec.device))
+
+    def ready(self) -> dict[str, Any]:
+        return {"step": self.backend.step}
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_config: Mapping[str, float],
+                         forward_only: bool) -> dict[str, Any]:
+        """Per datum ``logprobs`` and ``elementwise_loss`` (length N each) and the metrics;
+        ``forward_only`` leaves the gradients as they are."""
+        batch = token_batch(data, self.vocab_size)
+        ours = dict(loss_config)
+        if forward_only:
+            spec, config = resolve_loss(loss_fn, ours)
+            logprobs = self.backend.forward(batch).logprobs
+            with torch.no_grad():
+                out = weighted_loss(spec, config, logprobs, None, batch, torch.device("cpu"))
+            elementwise, metrics = out.elementwise, out.metrics
+        else:
+            result = self.backend.forward_backward(batch, loss_fn, ours)
+            logprobs, elementwise, metrics = result.logprobs, result.elementwise_loss, result.metrics
+        return {"outputs": per_datum(batch, logprobs=logprobs, elementwise_loss=elementwise), "metrics": metrics}
+
+    def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
+        clip = float(adam.get("grad_clip_norm") or 0.0)
+        params = AdamParams(lr=float(adam["learning_rate"]), betas=(float(adam["beta1"]), float(adam["beta2"])),
+                            eps=float(adam["eps"]), weight_decay=float(adam["weight_decay"]),
+                            grad_clip=clip if clip > 0 else None)
+        metrics = self.backend.optim_step(params)
+        return {"grad_norm:mean": metrics["grad_norm"], "learning_rate:mean": metrics["lr"],
+                "skipped_nonfinite:sum": metrics["skipped_nonfinite"]}
+
+    def save_state(self, path: str) -> None:
+        """Weights (with LoRA: the adapters) and optimizer state: a ``save_state`` checkpoint."""
+        self.backend.save_state(path)
+
+    def load_state(self, path: str, with_optimizer: bool) -> None:
+        self.backend.load_state(path, with_optimizer=with_optimizer)
+
+    def save_sampler_weights(self, path: str) -> int:
+        """The full (for LoRA: merged) weights for a sampler, one file; returns its size in bytes."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().cpu() for bucket in self.backend.weights() for name, tensor in bucket}
+        target = folder / SAMPLER_WEIGHTS_FILE
+        torch.save(state, target)
+        return target.stat().st_size
+
+    def close(self) -> None:
+        self.backend.close()

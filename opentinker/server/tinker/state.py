@@ -1,0 +1,265 @@
+"""What the Tinker API keeps across restarts, in the server's SQLite file: sessions, models,
+futures, checkpoints and sampling sessions, each row owned by one user.
+
+Lookups always filter by the caller's user id, so another user's session, model, future or
+checkpoint reads exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from opentinker.server.store import Store
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tinker_sessions (
+    session_id TEXT PRIMARY KEY,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    tags_json TEXT NOT NULL,
+    metadata_json TEXT NOT NULL,
+    state TEXT NOT NULL,  -- active | finished | expired
+    created_at REAL NOT NULL,
+    last_seen REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tinker_models (
+    model_id TEXT PRIMARY KEY,  -- "<session_id>:train:<model_seq_id>", also its training run id
+    session_id TEXT NOT NULL,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    base_model TEXT NOT NULL,
+    spec_json TEXT NOT NULL,  -- lora_rank, train_attn, train_mlp, train_unembed, seed
+    metadata_json TEXT,
+    state TEXT NOT NULL,  -- loading | ready | failed | lost | unloaded
+    error TEXT,
+    created_at REAL NOT NULL,
+    last_request_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tinker_futures (
+    request_id TEXT PRIMARY KEY,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    model_id TEXT,
+    seq_id INTEGER,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,  -- pending | done | failed
+    content_type TEXT,
+    result BLOB,
+    error TEXT,
+    category TEXT,
+    extra_json TEXT,  -- what the submit answer carries besides the id (sample_sequence_ids)
+    created_at REAL NOT NULL,
+    finished_at REAL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS tinker_futures_by_seq ON tinker_futures(model_id, seq_id)
+    WHERE seq_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS tinker_checkpoints (
+    run_id TEXT NOT NULL,
+    kind TEXT NOT NULL,  -- weights | sampler_weights
+    name TEXT NOT NULL,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    folder TEXT NOT NULL,
+    size_bytes INTEGER,
+    ephemeral INTEGER NOT NULL DEFAULT 0,
+    metadata_json TEXT,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    PRIMARY KEY (run_id, kind, name)
+);
+CREATE TABLE IF NOT EXISTS tinker_samplers (
+    sampler_id TEXT PRIMARY KEY,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    session_id TEXT,
+    base_model TEXT NOT NULL,
+    model_path TEXT,  -- the tinker:// path it samples from (None: the base model)
+    created_at REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    model_id: str
+    session_id: str
+    user_id: int
+    base_model: str
+    spec: dict[str, Any]
+    metadata: dict[str, str] | None
+    state: str
+    error: str | None
+    created_at: float
+    last_request_at: float
+
+    @property
+    def lora_rank(self) -> int:
+        return int(self.spec.get("lora_rank", 0))
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    run_id: str
+    kind: str
+    name: str
+    user_id: int
+    folder: str
+    size_bytes: int | None
+    ephemeral: bool
+    metadata: dict[str, str] | None
+    created_at: float
+    expires_at: float | None
+
+    @property
+    def tinker_path(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    sampler_id: str
+    user_id: int
+    session_id: str | None
+    base_model: str
+    model_path: str | None
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class TinkerState:
+    def __init__(self, store: Store):
+        self.store = store
+        with store.transaction() as conn:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+
+    # sessions -------------------------------------------------------------------------
+    def create_session(self, session_id: str, user_id: int, tags: list[str], metadata: dict[str, Any]) -> None:
+        now = time.time()
+        with self.store.transaction() as conn:
+            conn.execute("INSERT INTO tinker_sessions VALUES (?, ?, ?, ?, 'active', ?, ?)",
+                         (session_id, user_id, json.dumps(tags), json.dumps(metadata), now, now))
+
+    def session_state(self, session_id: str, user_id: int) -> str | None:
+        rows = self.store.query("SELECT state FROM tinker_sessions WHERE session_id = ? AND user_id = ?",
+                                (session_id, user_id))
+        return rows[0]["state"] if rows else None
+
+    def touch_session(self, session_id: str) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_sessions SET last_seen = ? WHERE session_id = ?", (time.time(), session_id))
+
+    def end_session(self, session_id: str, state: str) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_sessions SET state = ? WHERE session_id = ? AND state = 'active'",
+                         (state, session_id))
+
+    def idle_sessions(self, idle_s: float) -> list[str]:
+        rows = self.store.query("SELECT session_id FROM tinker_sessions WHERE state = 'active' AND last_seen < ?",
+                                (time.time() - idle_s,))
+        return [row["session_id"] for row in rows]
+
+    # models ---------------------------------------------------------------------------
+    def add_model(self, model_id: str, session_id: str, user_id: int, base_model: str, spec: dict[str, Any],
+                  metadata: dict[str, str] | None) -> None:
+        now = time.time()
+        with self.store.transaction() as conn:
+            conn.execute("INSERT INTO tinker_models VALUES (?, ?, ?, ?, ?, ?, 'loading', NULL, ?, ?)",
+                         (model_id, session_id, user_id, base_model, json.dumps(spec),
+                          None if metadata is None else json.dumps(metadata), now, now))
+
+    def set_model_state(self, model_id: str, state: str, error: str | None = None) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_models SET state = ?, error = ? WHERE model_id = ?", (state, error, model_id))
+
+    def touch_model(self, model_id: str) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_models SET last_request_at = ? WHERE model_id = ?", (time.time(), model_id))
+
+    def model(self, model_id: str, user_id: int | None = None) -> ModelRow | None:
+        sql = "SELECT * FROM tinker_models WHERE model_id = ?" + ("" if user_id is None else " AND user_id = ?")
+        rows = self.store.query(sql, (model_id,) if user_id is None else (model_id, user_id))
+        return self._model(rows[0]) if rows else None
+
+    def models(self, user_id: int, session_id: str | None = None) -> list[ModelRow]:
+        sql = "SELECT * FROM tinker_models WHERE user_id = ?" + ("" if session_id is None else " AND session_id = ?")
+        params = (user_id,) if session_id is None else (user_id, session_id)
+        return [self._model(row) for row in self.store.query(sql + " ORDER BY created_at", params)]
+
+    def session_models(self, session_id: str) -> list[str]:
+        rows = self.store.query("SELECT model_id FROM tinker_models WHERE session_id = ?", (session_id,))
+        return [row["model_id"] for row in rows]
+
+    def mark_models_lost(self, reason: str) -> int:
+        """At startup: the models that lived in the previous process's actors are gone."""
+        with self.store.transaction() as conn:
+            cur = conn.execute("UPDATE tinker_models SET state = 'lost', error = ? "
+                               "WHERE state IN ('loading', 'ready')", (reason,))
+        return cur.rowcount
+
+    @staticmethod
+    def _model(row) -> ModelRow:
+        return ModelRow(row["model_id"], row["session_id"], row["user_id"], row["base_model"],
+                        json.loads(row["spec_json"]), _loads(row["metadata_json"]), row["state"], row["error"],
+                        row["created_at"], row["last_request_at"])
+
+    # checkpoints ----------------------------------------------------------------------
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO tinker_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (row.run_id, row.kind, row.name, row.user_id, row.folder, row.size_bytes,
+                          int(row.ephemeral), None if row.metadata is None else json.dumps(row.metadata),
+                          row.created_at, row.expires_at))
+
+    def checkpoint(self, run_id: str, kind: str, name: str, user_id: int) -> CheckpointRow | None:
+        rows = self.store.query("SELECT * FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ? "
+                                "AND user_id = ?", (run_id, kind, name, user_id))
+        return self._checkpoint(rows[0]) if rows else None
+
+    def checkpoints(self, user_id: int, run_id: str | None = None, ephemeral: bool = False) -> list[CheckpointRow]:
+        sql = "SELECT * FROM tinker_checkpoints WHERE user_id = ? AND ephemeral = ?"
+        params: tuple = (user_id, int(ephemeral))
+        if run_id is not None:
+            sql, params = sql + " AND run_id = ?", params + (run_id,)
+        return [self._checkpoint(row) for row in self.store.query(sql + " ORDER BY created_at", params)]
+
+    def delete_checkpoint(self, row: CheckpointRow) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("DELETE FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                         (row.run_id, row.kind, row.name))
+
+    def ephemeral_beyond(self, run_id: str, keep: int) -> list[CheckpointRow]:
+        """A model's ephemeral sampler snapshots past the newest ``keep``."""
+        rows = self.store.query("SELECT * FROM tinker_checkpoints WHERE run_id = ? AND ephemeral = 1 "
+                                "ORDER BY created_at DESC", (run_id,))
+        return [self._checkpoint(row) for row in rows[keep:]]
+
+    def expired_checkpoints(self, session_ids: list[str] = ()) -> list[CheckpointRow]:
+        """Named checkpoints past their TTL, and ephemeral ones of the given (ended) sessions."""
+        rows = list(self.store.query("SELECT * FROM tinker_checkpoints WHERE expires_at IS NOT NULL "
+                                     "AND expires_at < ?", (time.time(),)))
+        for session_id in session_ids:
+            rows += self.store.query("SELECT c.* FROM tinker_checkpoints c JOIN tinker_models m ON "
+                                     "c.run_id = m.model_id WHERE m.session_id = ? AND c.ephemeral = 1", (session_id,))
+        return [self._checkpoint(row) for row in rows]
+
+    @staticmethod
+    def _checkpoint(row) -> CheckpointRow:
+        return CheckpointRow(row["run_id"], row["kind"], row["name"], row["user_id"], row["folder"],
+                             row["size_bytes"], bool(row["ephemeral"]), _loads(row["metadata_json"]),
+                             row["created_at"], row["expires_at"])
+
+    # samplers -------------------------------------------------------------------------
+    def add_sampler(self, row: SamplerRow) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO tinker_samplers VALUES (?, ?, ?, ?, ?, ?)",
+                         (row.sampler_id, row.user_id, row.session_id, row.base_model, row.model_path, time.time()))
+
+    def sampler(self, sampler_id: str, user_id: int) -> SamplerRow | None:
+        rows = self.store.query("SELECT * FROM tinker_samplers WHERE sampler_id = ? AND user_id = ?",
+                                (sampler_id, user_id))
+        if not rows:
+            return None
+        row = rows[0]
+        return SamplerRow(row["sampler_id"], row["user_id"], row["session_id"], row["base_model"], row["model_path"])
