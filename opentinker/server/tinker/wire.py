@@ -154,9 +154,9 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     data = []
     for index, raw in enumerate(message.data):
         where = f"data[{index}]"
-        if raw.model_input_spans or raw.loss_fn_input_spans:
-            raise WireError(f"{where}: provenance spans are only for loss 'stable_reinforce', which this "
-                            f"server does not support")
+        # Provenance spans (model_input_spans / loss_fn_input_spans) are ignored: only the loss
+        # 'stable_reinforce' reads them, and it is refused above. The cookbook's RL loop attaches
+        # them to every datum whose tokens were sampled here, whatever the loss.
         tokens = _tokens(raw, where)
         inputs = {}
         for name, tensor in raw.loss_fn_inputs.items():
@@ -170,9 +170,10 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
                 raise WireError(f"{where}.loss_fn_inputs[{name!r}]: shape {list(array.shape)}, expected "
                                 f"[{tokens.size}] (one value per model input token)")
             inputs[name] = array
-        for name in ("target_tokens", *needed):
-            if name not in inputs:
-                raise WireError(f"{where}: loss {loss!r} needs loss_fn_inputs[{name!r}]")
+        missing = [name for name in ("target_tokens", *needed) if name not in inputs]
+        if missing:
+            raise WireError(f"{where}: loss {loss!r} needs loss_fn_inputs {', '.join(map(repr, missing))} "
+                            f"(it takes: {', '.join(('target_tokens', *needed))})")
         if (tokens < 0).any() or (inputs["target_tokens"] < 0).any():
             raise WireError(f"{where}: token ids must not be negative")
         data.append(Datum(tokens, inputs))
