@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     quotas.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
     quotas.add_argument("--max-rows-per-step", type=int, default=4096, help="client mode: rows in one pushed step")
     quotas.add_argument("--max-queued-steps", type=int, default=4, help="client mode: batches a job may queue")
+    tinker = serve.add_argument_group("the Tinker API (/api/v1)")
+    tinker.add_argument("--tinker-strategy", choices=["local", "fsdp"], default="local",
+                        help="backend of each training client's model (default: %(default)s)")
+    tinker.add_argument("--tinker-ranks", type=int, default=1, help="FSDP ranks per model (--tinker-strategy fsdp)")
+    tinker.add_argument("--tinker-max-models", type=int, default=4, help="live training clients per user")
+    tinker.add_argument("--tinker-session-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="a session without a heartbeat this long ends and its models are unloaded")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     admin = commands.add_parser("admin", help="manage users and API keys (works while the server runs)")
@@ -111,7 +118,8 @@ def _admin(args: argparse.Namespace) -> int:
                 key = auth.create_api_key(store, args.user)
             except LookupError as exc:
                 return _fail(f"{exc}; create it first with: opentinker-server admin create-user {args.user}")
-            print(f"API key for {args.user!r} (it is stored hashed and will not be shown again):")
+            print(f"API key for {args.user!r} (it is stored hashed and will not be shown again; "
+                  "with the tinker SDK, send it as tml-<key>):")
             print(key)
         elif args.admin_command == "list-users":
             users = store.list_users()
@@ -166,6 +174,10 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * 2**20),
             max_rows_per_step=args.max_rows_per_step,
             max_queued_steps=args.max_queued_steps,
+            tinker_strategy=args.tinker_strategy,
+            tinker_ranks=args.tinker_ranks,
+            tinker_max_models_per_user=args.tinker_max_models,
+            tinker_session_timeout_s=args.tinker_session_timeout,
         )
         app = create_app(settings)
     except ValueError as exc:

@@ -335,3 +335,40 @@ def test_futures_and_checkpoints_survive_a_restart(tmp_path, start_server, keys,
         np.testing.assert_allclose(logprobs_of(restored, datum()), trained, atol=1e-6)
     finally:
         again.close()
+
+
+def test_every_tinker_route_but_health_needs_a_key(server, keys):
+    from opentinker.server.tinker.routes import router
+
+    routes = [(method, route.path) for route in router.routes for method in route.methods]
+    assert len(routes) > 30
+    with httpx.Client(base_url=server.url, timeout=30, trust_env=False) as raw:
+        for method, path in routes:
+            url = path.replace("{checkpoint_id:path}", "weights/x").replace("{", "").replace("}", "")
+            for headers in ({}, {"X-API-Key": "tml-" + keys["revoked"]}, {"X-API-Key": "tml-ot-made-up"}):
+                answer = raw.request(method, url, headers=headers, json={})
+                expected = 200 if path == "/api/v1/healthz" else 401
+                assert answer.status_code == expected, (method, path, headers, answer.text)
+
+
+def test_a_model_without_lora_config_is_fully_fine_tuned(server, keys):
+    with _raw(server, keys["alice"]) as raw:
+        session_id = raw.post("/create_session", json={"tags": [], "sdk_version": "raw"}).json()["session_id"]
+        try:
+            created = raw.post("/create_model", json={"session_id": session_id, "model_seq_id": 0,
+                                                      "base_model": TINY}).json()
+            model = _result(raw, created["request_id"]).json()["model_id"]
+            info = raw.post("/get_info", json={"model_id": model}).json()
+            assert info["is_lora"] is False and info["model_data"]["model_name"] == TINY
+            first = raw.post("/forward_backward", content=_proto_body(model, 1, [datum()]), headers=PROTO).json()
+            step = raw.post("/optim_step", json={"model_id": model, "seq_id": 2,
+                                                 "adam_params": {"learning_rate": 1e-3}}).json()
+            again = raw.post("/forward_backward", content=_proto_body(model, 3, [datum()]), headers=PROTO).json()
+            from tinker.proto.response_conv import deserialize_forward_backward_output as read
+
+            before = read(_result(raw, first["request_id"]).content).metrics["loss:sum"]
+            assert _result(raw, step["request_id"]).json()["metrics"]["grad_norm:mean"] > 0
+            assert read(_result(raw, again["request_id"]).content).metrics["loss:sum"] < before
+        finally:
+            assert raw.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}}).status_code == 204
+        assert raw.post("/session_heartbeat", json={"session_id": session_id}).status_code == 410

@@ -40,7 +40,8 @@ UNSUPPORTED = {
     "auth/token": "JWT exchange is off (client/config pjwt_auth_enabled=false): send the API key itself",
 }
 
-router = APIRouter(prefix=PREFIX, tags=["tinker"])
+# Not in /openapi.json: the SDK is this API's contract (docs/tinker.md lists what is supported).
+router = APIRouter(prefix=PREFIX, tags=["tinker"], include_in_schema=False)
 
 
 def service(request: Request) -> TinkerService:
