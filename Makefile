@@ -16,7 +16,7 @@ RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl
 # vLLM for CPU is part of the test set-up on Linux x86-64 (VLLM=0 skips it; its tests then skip).
 VLLM   ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
-.PHONY: run train test install install-vllm venv clean
+.PHONY: run train test install install-vllm install-cookbook venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,23 @@ $(VENV)/.vllm-installed: $(VENV)/.installed
 	touch $@
 
 install-vllm: $(VENV)/.vllm-installed
+
+# The tinker-cookbook (examples/tinker/cookbook_recipes.sh runs its recipes against this server).
+# 0.6.1 declares tml-renderers>=0.4.1, which the registry here does not have: the cookbook goes in
+# with --no-deps, then its runtime requirements with tml-renderers==0.2.1 (the role_colon renderer
+# and the SL/RL loops work with it) and what math_rl imports (sympy, pylatexenc, math-verify).
+# $(TORCH) is named again so that pip keeps the CPU build already installed.
+COOKBOOK_DEPS = "tml-renderers==0.2.1" "aiohttp>=3.9.0" "anyio>=4.0.0" "blobfile>=3.0.0" \
+                "chz>=0.4.0" "cloudpickle>=3.0.0" "datasets>=2.14.0" "huggingface-hub>=0.20.0" \
+                "numpy>=1.24.0" "pillow>=10.0.0" "pydantic>=2.0.0" "pyrage>=1.4.0" "rich>=13.0.0" \
+                "safetensors>=0.4.0" "termcolor>=2.0.0" "tiktoken>=0.12.0" "tqdm>=4.60.0" \
+                "sympy>=1.12.0" "pylatexenc>=2.0" "math-verify>=0.5.0"
+$(VENV)/.cookbook-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps "tinker-cookbook==0.6.1"
+	$(PY) -m pip install --quiet "$(TORCH)" $(COOKBOOK_DEPS)
+	touch $@
+
+install-cookbook: $(VENV)/.cookbook-installed
 
 run: install
 	$(VENV)/bin/opentinker quickstart --steps $(STEPS) $(ARGS)

@@ -30,14 +30,27 @@ PREFIX = "/api/v1"
 SDK_KEY_PREFIX = "tml-"
 # Known SDK routes this server does not offer, and why (a 400 the SDK shows, not a bare 404).
 UNSUPPORTED = {
-    "save_weights_external": "exporting weights to external storage is not offered; load the checkpoint with "
-                             "create_training_client_from_state, or use the OpenTinker job API's HF export",
-    "create_custom_loss": "server-side custom losses are not offered; forward_backward_custom runs them client-side",
-    "copy_weights": "copying checkpoints between runs is not offered",
-    "retrieve_futures": "the session poller is off (client/config sample_use_retrieve_futures=false)",
-    "join_sampling_session": "joining sampling sessions is off (client/config sample_join_sampling_session=false)",
-    "cancel_future": "cancelling futures is off (client/dynamic_config sample_cancel_enabled=false)",
-    "auth/token": "JWT exchange is off (client/config pjwt_auth_enabled=false): send the API key itself",
+    ("POST", "save_weights_external"): "exporting weights to external storage is not offered; load the checkpoint "
+                                       "with create_training_client_from_state",
+    ("POST", "create_custom_loss"): "server-side custom losses are not offered; forward_backward_custom runs them "
+                                    "client-side",
+    ("POST", "copy_weights"): "copying checkpoints between runs is not offered",
+    ("POST", "retrieve_futures"): "the session poller is off (client/config sample_use_retrieve_futures=false)",
+    ("POST", "join_sampling_session"): "joining sampling sessions is off (sample_join_sampling_session=false)",
+    ("POST", "cancel_future"): "cancelling futures is off (client/dynamic_config sample_cancel_enabled=false)",
+    ("POST", "auth/token"): "JWT exchange is off (client/config pjwt_auth_enabled=false): send the API key itself",
+    ("PUT", "sessions/{session_id}/project"): "projects are not offered",
+    ("GET", "sessions/{session_id}/trace_export"): "session traces are not recorded",
+    ("POST", "sessions/search"): "session search is not offered; list_sessions lists your sessions",
+    ("GET", "audit"): "there is no audit log on this server",
+    ("GET", "billing/usage/events"): "there is no billing on this server",
+    ("GET", "billing/usage/checkpoints/current"): "there is no billing on this server",
+    ("GET", "training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls"):
+        "checkpoints are not served as download URLs",
+    ("POST", "training_runs/{run_id}/checkpoints/{kind}/{name}/publish"): "checkpoints cannot be made public here",
+    ("DELETE", "training_runs/{run_id}/checkpoints/{kind}/{name}/publish"): "checkpoints cannot be made public here",
+    ("PUT", "training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"): "a checkpoint's TTL is set when it is saved "
+                                                                     "(ttl_seconds)",
 }
 
 # Not in /openapi.json: the SDK is this API's contract (docs/tinker.md lists what is supported).
@@ -105,7 +118,7 @@ def _submit(svc: TinkerService, user: User, model_id: str, seq_id: int | None, k
 
 def _refuse_seq(svc: TinkerService, model_id: str | None, seq_id: int | None, user: User) -> None:
     """A request refused at submit still used its number: the model must not wait for it."""
-    if model_id and svc.state.model(model_id, user.id) is not None:
+    if isinstance(model_id, str) and isinstance(seq_id, int) and svc.state.model(model_id, user.id) is not None:
         svc.host.skip(model_id, seq_id)
 
 
@@ -219,6 +232,7 @@ async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_us
     spec = {"lora_rank": 0} if lora is None else {
         "lora_rank": lora.rank, "seed": lora.seed or 0, "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
         "train_unembed": lora.train_unembed}
+    spec["named_as"] = body.base_model  # get_info gives the client's own name back (the SDK's get_tokenizer)
     try:
         return _start_model(svc, user, body.session_id, body.model_seq_id, body.base_model, spec,
                             body.user_metadata, "CreateModel")
@@ -232,9 +246,11 @@ async def get_info(body: schemas.ModelRef, user: User = Depends(tinker_user),
     model = svc.state.model(body.model_id, user.id)
     if model is None:
         raise not_found(f"model {body.model_id!r}")
-    return {"model_id": model.model_id, "type": "get_info",
-            "model_data": {"model_name": model.base_model, "tokenizer_id": model.base_model},
-            "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None, "model_name": model.base_model}
+    # The name the client created it with (a served name, or the folder the cookbook loads its
+    # tokenizer from): the SDK's get_tokenizer() loads that; the server's own paths stay private.
+    name = model.spec.get("named_as", model.base_model)
+    return {"model_id": model.model_id, "type": "get_info", "model_data": {"model_name": name, "tokenizer_id": name},
+            "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None, "model_name": name}
 
 
 @router.post("/unload_model")
@@ -605,10 +621,11 @@ async def list_checkpoints(user: User = Depends(tinker_user), svc: TinkerService
     return {"checkpoints": [_checkpoint_json(c) for c in svc.state.checkpoints(user.id)]}
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
-async def delete_checkpoint(run_id: str = Path(max_length=256), checkpoint_id: str = Path(max_length=512),
-                            user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> Response:
-    row = _checkpoint(svc, f"tinker://{run_id}/{checkpoint_id}", user)
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
+async def delete_checkpoint(run_id: str = Path(max_length=256), kind: str = Path(max_length=32),
+                            name: str = Path(max_length=256), user: User = Depends(tinker_user),
+                            svc: TinkerService = Depends(service)) -> Response:
+    row = _checkpoint(svc, f"tinker://{run_id}/{kind}/{name}", user)
     svc.delete_checkpoint(row)
     return Response(status_code=204)
 
@@ -624,13 +641,32 @@ async def weights_info(body: schemas.WeightsInfo, user: User = Depends(tinker_us
             "train_unembed": spec.get("train_unembed"), "optimizer_config": {"type": "adamw"}}
 
 
-def _unsupported(name: str, reason: str):
-    async def refuse(user: User = Depends(tinker_user)) -> Response:
-        raise _user_error(f"{name}: {reason}")
+@router.get("/sessions")
+async def list_sessions(user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    return {"sessions": svc.state.sessions(user.id)}
 
-    refuse.__name__ = f"unsupported_{name.replace('/', '_')}"
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str = Path(max_length=256), user: User = Depends(tinker_user),
+                      svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    if svc.state.session_state(session_id, user.id) is None:
+        raise not_found(f"session {session_id!r}")
+    return {"training_run_ids": svc.state.session_models(session_id),
+            "sampler_ids": svc.state.session_samplers(session_id)}
+
+
+def _unsupported(name: str, reason: str):
+    async def refuse(request: Request, user: User = Depends(tinker_user),
+                     svc: TinkerService = Depends(service)) -> Response:
+        try:  # a training client's refused request still used its seq_id: release it
+            body = await request.json()
+            _refuse_seq(svc, body.get("model_id"), body.get("seq_id"), user)
+        except (ValueError, AttributeError):
+            pass
+        raise _user_error(f"{request.method} {request.url.path}: {reason}")
+
     return refuse
 
 
-for _name, _reason in UNSUPPORTED.items():
-    router.add_api_route(f"/{_name}", _unsupported(_name, _reason), methods=["POST"], include_in_schema=False)
+for (_method, _name), _reason in UNSUPPORTED.items():
+    router.add_api_route(f"/{_name}", _unsupported(_name, _reason), methods=[_method], name=f"unsupported {_name}")

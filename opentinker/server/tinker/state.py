@@ -155,6 +155,16 @@ class TinkerState:
             conn.execute("UPDATE tinker_sessions SET state = ? WHERE session_id = ? AND state = 'active'",
                          (state, session_id))
 
+    def sessions(self, user_id: int) -> list[str]:
+        rows = self.store.query("SELECT session_id FROM tinker_sessions WHERE user_id = ? ORDER BY created_at",
+                                (user_id,))
+        return [row["session_id"] for row in rows]
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        rows = self.store.query("SELECT sampler_id FROM tinker_samplers WHERE session_id = ? ORDER BY created_at",
+                                (session_id,))
+        return [row["sampler_id"] for row in rows]
+
     def idle_sessions(self, idle_s: float) -> list[str]:
         rows = self.store.query("SELECT session_id FROM tinker_sessions WHERE state = 'active' AND last_seen < ?",
                                 (time.time() - idle_s,))
