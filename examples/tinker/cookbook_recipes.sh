@@ -11,12 +11,19 @@
 #   (b) RL: `python -m tinker_cookbook.recipes.math_rl.train env=arithmetic ...`.
 # The model is the embedded tiny model, named by its folder: the cookbook loads the tokenizer
 # from there and the server maps the folder to the model it serves. Both recipes get an
-# explicit renderer (role_colon): the cookbook's renderer table only knows hosted models.
+# explicit renderer (the cookbook's renderer table only knows hosted models): role_colon for SL,
+# which works with any tokenizer; qwen3_instruct for RL, because it renders exactly the ChatML
+# the tiny model was warmed up on. Under role_colon the tiny model answers no arithmetic
+# problem right, so every group's rewards are equal and RL has nothing to learn from.
+# On 2 CPU cores (busy with other work too) (a) took 1 minute and (b) 6-7 minutes. The RL
+# reward rises slowly on this model (math_rl's arithmetic env always puts a few-shot turn before
+# the question, which the tiny model was never shown): RL_ARGS="max_steps=80" shows it best.
 #
 # Settings (environment):
 #   VENV=.venv  OUT_DIR=<new temp dir>  PORT=<a free one>  RECIPES="sl rl"
 #   SL_ARGS="..."   more chz overrides for sl_conversations.py (e.g. learning_rate=3e-4)
-#   RL_LOSS=importance_sampling (or ppo, cispo)   RL_ARGS="..." more math_rl.train overrides
+#   RL_LOSS=importance_sampling (or ppo, cispo)   RL_RENDERER=qwen3_instruct
+#   RL_ARGS="..."   more math_rl.train overrides (e.g. max_steps=80 learning_rate=5e-4)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -76,7 +83,8 @@ for i in $(seq 1 240); do
 done
 echo "== server is up"
 
-# first -> last value of a metric in a cookbook metrics.jsonl (rows without it are skipped)
+# first -> last value of a metric in a cookbook metrics.jsonl (rows without it are skipped),
+# and the means of the first and last 10 (one RL step's reward is noisy)
 summarize() {
     "$PY" - "$@" <<'EOF'
 import json, sys
@@ -87,7 +95,11 @@ for key in keys:
     seen = [(r.get("step"), r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     if seen:
         (s0, v0), (s1, v1) = seen[0], seen[-1]
-        print(f"   {key}: {v0:.4f} (step {s0}) -> {v1:.4f} (step {s1}) over {len(seen)} rows")
+        line = f"   {key}: {v0:.4f} (step {s0}) -> {v1:.4f} (step {s1}) over {len(seen)} rows"
+        if len(seen) >= 20:
+            first, last = [v for _, v in seen[:10]], [v for _, v in seen[-10:]]
+            line += f"; mean of first 10 {sum(first) / 10:.4f} -> last 10 {sum(last) / 10:.4f}"
+        print(line)
 EOF
 }
 
@@ -97,7 +109,7 @@ if [[ " $RECIPES " == *" sl "* ]]; then
     start=$SECONDS
     # shellcheck disable=SC2086
     "$PY" "$ROOT/examples/tinker/sl_conversations.py" model_name="$TINY" renderer_name=role_colon \
-        log_path="$SL_LOG" learning_rate=1e-3 lora_rank=16 num_epochs=3 eval_every=7 ${SL_ARGS:-}
+        log_path="$SL_LOG" learning_rate=1e-3 lora_rank=16 num_epochs=3 eval_every=5 ${SL_ARGS:-}
     echo "== (a) done in $((SECONDS - start)) s; metrics: $SL_LOG/metrics.jsonl"
     summarize "$SL_LOG/metrics.jsonl" train_mean_nll test/nll
 fi
@@ -109,7 +121,7 @@ if [[ " $RECIPES " == *" rl "* ]]; then
     # shellcheck disable=SC2086
     "$PY" -m tinker_cookbook.recipes.math_rl.train env=arithmetic model_name="$TINY" \
         renderer_name="${RL_RENDERER:-qwen3_instruct}" loss_fn="$RL_LOSS" lora_rank=16 learning_rate=1e-3 \
-        groups_per_batch=8 group_size=8 max_tokens=12 max_steps=20 eval_every=0 save_every=0 \
+        groups_per_batch=16 group_size=16 max_tokens=8 max_steps=40 eval_every=0 save_every=0 \
         log_path="$RL_LOG" behavior_if_log_dir_exists=delete base_url="$BASE_URL" ${RL_ARGS:-}
     echo "== (b) done in $((SECONDS - start)) s; metrics: $RL_LOG/metrics.jsonl"
     summarize "$RL_LOG/metrics.jsonl" env/all/reward/total env/all/correct env/all/format

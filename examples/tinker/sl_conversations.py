@@ -51,7 +51,7 @@ def blueprint(model_name: str, renderer_name: str) -> chz.Blueprint[train.Config
         "lr_schedule": "linear",
         "lora_rank": 16,
         "num_epochs": 3,
-        "eval_every": 7,
+        "eval_every": 5,
         "save_every": 0,
     })
 

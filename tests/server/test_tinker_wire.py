@@ -78,3 +78,14 @@ def test_the_supported_losses_are_the_backends_with_the_same_options():
         spec, defaults = resolve_loss(name, None)
         assert defaults == options
         assert set(spec.inputs) == {INPUT_NAMES[n] for n in needed}
+
+
+def test_provenance_spans_the_cookbook_attaches_are_ignored():
+    from tinker.types.provenance_spans import SampledProvenanceSpan
+
+    spans = [SampledProvenanceSpan(sequence_id="r:0", offset=0, length=2)]
+    d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                    loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [-1.0, -1.0, -1.0],
+                                    "advantages": [1.0, 1.0, 1.0]}, model_input_spans=spans, loss_fn_input_spans=spans)
+    (datum,) = wire.decode_forward_backward(_body([d], loss="importance_sampling")).data
+    assert datum.tokens.tolist() == [5, 6, 7]
