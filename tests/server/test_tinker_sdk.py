@@ -88,7 +88,7 @@ def test_lora_cross_entropy_lowers_the_loss_and_the_sampler_has_the_trained_weig
         trained = logprobs_of(tc, datum(full))[len(prompt) - 1:]
         np.testing.assert_allclose(sequence.logprobs, trained, atol=2e-4)
     # ...and not the base model's.
-    base = session().client.create_sampling_client(base_model=TINY)
+    base = session().client.create_sampling_client(base_model=TINY).result()
     base_lp = base.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     trained_lp = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     assert base_lp[0] is None and trained_lp[0] is None
@@ -264,7 +264,7 @@ def test_requests_run_in_seq_id_order_and_a_resent_request_gets_its_first_future
 
 
 def test_sampling_stops_seeds_and_prompt_logprobs(session):
-    sampler = session().client.create_sampling_client(base_model=TINY)
+    sampler = session().client.create_sampling_client(base_model=TINY).result()
     prompt = types.ModelInput.from_ints(TOKENS[:5])
 
     def sample(**params):
