@@ -90,23 +90,50 @@ def ray_session():
         ray.shutdown()
 
 
+def _start_heldout_run(folder, *overrides: str, lr: float = 3e-5):
+    """Start the run of ``heldout_run`` in the background (its metrics and stderr go to
+    ``folder``); returns ``wait(timeout=600) -> metrics history``, which fails with the run's
+    stderr if it fails and kills it if it is still running when ``wait`` returns or raises."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    metrics_file, stderr_file = folder / "metrics.jsonl", folder / "stderr.txt"
+    with open(stderr_file, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "opentinker.engine.train_cli",
+             "trainer.total_training_steps=60", "trainer.test_freq=60", "data.val_batch_size=200",
+             f"actor_rollout_ref.actor.optim.lr={lr}", "actor_rollout_ref.actor.use_kl_loss=true",
+             "trainer.seed=0", "trainer.progress_bar=false", f"--metrics-out={metrics_file}", *overrides],
+            stdout=subprocess.DEVNULL, stderr=stderr,
+        )
+
+    def wait(timeout: int = 600) -> list[dict]:
+        try:
+            returncode = process.wait(timeout=timeout)
+        finally:
+            process.kill()  # only where the wait timed out or was interrupted
+        assert returncode == 0, stderr_file.read_text()[-3000:]
+        return [json.loads(line) for line in metrics_file.read_text().splitlines()]
+
+    wait.process = process
+    return wait
+
+
 @pytest.fixture
 def heldout_run(tmp_path):
     """``run(*overrides, lr=3e-5, timeout=600) -> metrics history``: a seeded 60-step GRPO run of
     ``opentinker-train`` on the warm tiny model (KL loss on, held-out accuracy at steps 0 and
     60) in a subprocess; fails with its stderr if it fails."""
-    import json
 
     def run(*overrides: str, lr: float = 3e-5, timeout: int = 600) -> list[dict]:
-        metrics_file = tmp_path / "metrics.jsonl"
-        result = subprocess.run(
-            [sys.executable, "-m", "opentinker.engine.train_cli",
-             "trainer.total_training_steps=60", "trainer.test_freq=60", "data.val_batch_size=200",
-             f"actor_rollout_ref.actor.optim.lr={lr}", "actor_rollout_ref.actor.use_kl_loss=true",
-             "trainer.seed=0", "trainer.progress_bar=false", f"--metrics-out={metrics_file}", *overrides],
-            capture_output=True, text=True, timeout=timeout,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        return _start_heldout_run(tmp_path, *overrides, lr=lr)(timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def start_heldout_run():
+    """``start(folder, *overrides, lr=3e-5) -> wait(timeout=600) -> metrics history``: the run of
+    ``heldout_run`` started in the background, so that a module can run several at once."""
+    return _start_heldout_run

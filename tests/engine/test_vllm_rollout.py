@@ -3,6 +3,11 @@ sync, sampling options, continuous batching, and GRPO / agent-loop runs through 
 
 These run wherever vLLM is installed (`make test` installs the CPU build on Linux x86-64) and
 skip only where it is absent; an installed vLLM that fails to import fails them.
+
+Starting an engine (about 30 s on two cores: two processes that import vLLM) costs more than
+most test bodies here, so the module's engine also serves the in-process trainers (GRPO, agent
+loops) instead of each building its own. The engine a trainer builds from its config is
+exercised by the server job test, in the job's Ray actor.
 """
 
 from __future__ import annotations
@@ -35,6 +40,25 @@ def engine(tiny_model_dir):
     engine = VLLMRolloutEngine(str(tiny_model_dir), max_model_len=512)
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def trainers_use_the_module_engine(engine, tiny_model_dir, monkeypatch):
+    """An RLTrainer made in the test gets the module's engine (asked for by its config) instead
+    of starting one; its close() leaves the engine running, and the engine gets its original
+    weights back afterwards."""
+    from opentinker.engine.model_loading import load_causal_lm
+    from opentinker.engine.trainer import RLTrainer
+
+    def module_engine(trainer):
+        assert trainer.cfg.actor_rollout_ref.rollout.name == "vllm"
+        return engine
+
+    monkeypatch.setattr(RLTrainer, "_make_rollout_engine", module_engine)
+    monkeypatch.setattr(engine, "close", lambda: None)
+    yield
+    monkeypatch.undo()
+    engine.update_weights(load_causal_lm(str(tiny_model_dir)).state_dict())
 
 
 @pytest.fixture
@@ -175,8 +199,18 @@ def test_every_replica_gets_the_weights(tiny_model_dir, arithmetic_prompt_ids):
         engine.close()
 
 
-def test_grpo_with_vllm_rollout_raises_heldout_accuracy(heldout_run):
-    history = heldout_run("actor_rollout_ref.rollout.name=vllm", timeout=900)
+def test_grpo_with_vllm_rollout_raises_heldout_accuracy(trainers_use_the_module_engine):
+    """The seeded 60-step run of the ``heldout_run`` fixture (tests/conftest.py), in this process."""
+    from opentinker.engine.trainer import RLTrainer
+
+    trainer = RLTrainer(make_config([
+        "actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=60", "trainer.test_freq=60",
+        "data.val_batch_size=200", "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.seed=0", "trainer.progress_bar=false"]))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
     before, after = history[0]["val/accuracy"], history[-1]["val/accuracy"]
     print(f"vLLM rollout: held-out greedy accuracy {before:.3f} -> {after:.3f}")
     assert 0.1 < before < 0.7
@@ -185,7 +219,7 @@ def test_grpo_with_vllm_rollout_raises_heldout_accuracy(heldout_run):
     assert sum(rewards[-15:]) / 15 > sum(rewards[:15]) / 15
 
 
-def test_agent_loops_run_through_vllm(tiny_model_dir):
+def test_agent_loops_run_through_vllm(trainers_use_the_module_engine):
     from opentinker.engine.trainer import RLTrainer
     from opentinker.environments.games import ArithmeticEnv
     from opentinker.environments.gym_interaction import GymEnvironmentInteraction
