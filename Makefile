@@ -1,8 +1,8 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make run   - create .venv, install, then `opentinker quickstart`: a local server, a short GRPO
 #                job on the embedded tiny model through the thin client, a reward-curve PNG
-#   make test  - create .venv, install with test extras (and vLLM for CPU where it installs), run
-#                the test suite
+#   make test  - create .venv, install with test extras (and vLLM for CPU where it installs, and
+#                Debian's chromium for the dashboard's browser tests), run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -16,7 +16,7 @@ RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl
 # vLLM for CPU is part of the test set-up on Linux x86-64 (VLLM=0 skips it; its tests then skip).
 VLLM   ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
-.PHONY: run train test install install-vllm install-cookbook venv clean
+.PHONY: run train test install install-vllm install-cookbook install-chromium venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ $(PY):
 
 $(VENV)/.installed: $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[server,dev]"
+	$(PY) -m pip install --quiet -e ".[server,dev,plot]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -62,7 +62,18 @@ run: install
 train: install
 	$(VENV)/bin/opentinker-train trainer.total_training_steps=$(STEPS) $(RUN_ARGS) $(ARGS)
 
-test: install $(if $(filter 1,$(VLLM)),install-vllm)
+# The dashboard's browser tests drive Debian's chromium (never a browser Playwright downloads):
+# installed here on Linux when it is missing and apt-get can (root); else those tests skip.
+CHROMIUM ?= $(if $(filter Linux,$(shell uname -s)),1,0)
+install-chromium:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium for the dashboard's browser tests"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+	    || echo "warning: could not install chromium; the dashboard's browser tests will skip"; \
+	fi
+
+test: install $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)),install-chromium)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

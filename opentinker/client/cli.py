@@ -10,6 +10,7 @@
     opentinker jobs checkpoints ID
     opentinker jobs download ID [--name NAME] [--dest DIR]
     opentinker models                 # what actor_rollout_ref.model.path may name here
+    opentinker chat JOB[/CHECKPOINT] [-m MESSAGE]   # talk to a job's model (its current weights)
 
 The server and key come from ``--base-url`` / ``--api-key`` (before or after the command)
 or ``$OPENTINKER_BASE_URL`` / ``$OPENTINKER_API_KEY``.
@@ -261,6 +262,35 @@ def _models(args: argparse.Namespace) -> int:
     rows += [[name, "judge"] for name in listed.judge_models]
     _print(_table(["MODEL", ""], rows))
     return 0
+
+
+@add_command
+def _chat_command(commands) -> None:
+    chat = commands.add_parser(
+        "chat", help="talk to a trained model: a job's current weights or one of its checkpoints",
+        description="A conversation with JOB_ID (a running job answers with its current weights, a stopped one "
+        "with its newest checkpoint) or JOB_ID/CHECKPOINT, through the server's /v1/chat/completions. "
+        "Replies are printed as they are generated; an empty line ends the conversation.",
+    )
+    chat.add_argument("model", metavar="JOB[/CHECKPOINT]", help="a job id, or job id/checkpoint name")
+    chat.add_argument("-m", "--message", default=None, help="send this one message, print the reply and exit")
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    chat.add_argument("--max-tokens", type=int, default=256, help="longest reply, in tokens (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default 0.7)")
+    chat.add_argument("--seed", type=int, default=None, help="sample reproducibly")
+    _connection_options(chat, suppress=True)
+
+    def run(args: argparse.Namespace) -> int:
+        from opentinker.client.chat import chat_repl
+
+        options = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+        if args.seed is not None:
+            options["seed"] = args.seed
+        with make_client(args) as client:
+            return chat_repl(client, args.model, message=args.message, system=args.system,
+                             stdin=sys.stdin, stdout=sys.stdout, **options)
+
+    chat.set_defaults(handler=run)
 
 
 @add_command

@@ -5,8 +5,9 @@ Retries and idempotency — the rule this module keeps:
 * Connection errors (refused, reset, timed out, a server that hung up) and 502/503/504
   answers are retried ``retries`` times with exponential backoff (``backoff * 2**attempt``,
   capped at ``max_backoff``, plus a little jitter; a ``Retry-After`` header on a 503 is
-  honoured). Other answers are never retried here (429 is retried by
-  :meth:`JobHandle.push_step`, which knows it is safe).
+  honoured, capped at 60 s). Other answers are never retried here (429 is retried by
+  :meth:`JobHandle.push_step`, which knows it is safe). The retrying itself is tenacity's
+  (:mod:`opentinker.client.retries` holds the policies).
 * GET requests are retried freely. A request with side effects (every POST) is re-sent
   only with an ``Idempotency-Key`` header, and the client always sends one on a POST: a
   fresh uuid4 per logical call (or the caller's key), reused unchanged on every retry of
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,9 +37,9 @@ from opentinker.client.errors import (
     ConnectionFailedError,
     OpenTinkerError,
     error_from_response,
-    parse_retry_after,
 )
 from opentinker.client.jobs import JobHandle
+from opentinker.client.retries import MAX_RETRY_AFTER_S, RETRY_STATUSES, RetryableStatus, retry_transient
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import (
     API_PREFIX,
@@ -62,9 +62,7 @@ __all__ = ["ENV_API_KEY", "ENV_BASE_URL", "IDEMPOTENCY_HEADER", "OpenTinkerClien
 ENV_BASE_URL = "OPENTINKER_BASE_URL"
 ENV_API_KEY = "OPENTINKER_API_KEY"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
-RETRY_STATUSES = frozenset({502, 503, 504})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-_MAX_RETRY_AFTER_S = 60.0
 
 
 def _user_agent() -> str:
@@ -154,7 +152,7 @@ class OpenTinkerClient:
         delay = min(self.max_backoff, self.backoff * (2**attempt))
         delay += random.uniform(0, delay * 0.25)
         if retry_after is not None:
-            delay = max(delay, min(retry_after, _MAX_RETRY_AFTER_S))
+            delay = max(delay, min(retry_after, MAX_RETRY_AFTER_S))
         return delay
 
     @staticmethod
@@ -190,27 +188,19 @@ class OpenTinkerClient:
             idempotency_key = uuid.uuid4().hex
         headers = self.headers(auth=auth, idempotency_key=idempotency_key)
         url = self.url(path)
-        attempt = 0
-        while True:
-            try:
-                response = self._http.request(
-                    method, url, json=json, params=params, headers=headers, timeout=timeout or self.timeout
-                )
-            except httpx.TransportError as exc:
-                if attempt >= self.retries or not self.may_resend(method, headers):
-                    raise self.connection_error(exc, attempt + 1) from exc
-                time.sleep(self.backoff_delay(attempt))
-                attempt += 1
-                continue
-            if response.status_code in RETRY_STATUSES and attempt < self.retries and self.may_resend(method, headers):
-                retry_after = parse_retry_after(response.headers.get("Retry-After"))
-                response.close()
-                time.sleep(self.backoff_delay(attempt, retry_after))
-                attempt += 1
-                continue
-            if response.is_error:
-                raise error_from_response(response)
+
+        def send() -> httpx.Response:
+            response = self._http.request(
+                method, url, json=json, params=params, headers=headers, timeout=timeout or self.timeout
+            )
+            if response.status_code in RETRY_STATUSES:
+                raise RetryableStatus(response)
             return response
+
+        response = retry_transient(self, send, resend=self.may_resend(method, headers))
+        if response.is_error:
+            raise error_from_response(response)
+        return response
 
     def open_stream(
         self,

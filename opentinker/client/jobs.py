@@ -21,6 +21,8 @@ from urllib.parse import quote
 
 import httpx
 import pydantic
+from httpx_sse import EventSource, SSEError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from opentinker.client.errors import (
     ConflictError,
@@ -28,11 +30,17 @@ from opentinker.client.errors import (
     JobTimeoutError,
     NotFoundError,
     OpenTinkerError,
-    RateLimitError,
     UnsafeArchiveError,
     error_from_response,
 )
-from opentinker.client.sse import iter_sse
+from opentinker.client.retries import (
+    RETRY_STATUSES,
+    RetryableStatus,
+    Stopped,
+    retry_rate_limited,
+    retry_transient,
+    until,
+)
 from opentinker.protocol import (
     CheckpointInfo,
     CheckpointList,
@@ -48,17 +56,17 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_ARCHIVE_BYTES", "MAX_ARCHIVE_MEMBERS", "JobHandle", "extract_tar_safely"]
 
-_RETRY_STATUSES = frozenset({502, 503, 504})
-_DEFAULT_RETRY_AFTER_S = 1.0
-_MAX_RETRY_AFTER_S = 60.0
 #: metric names shown in the progress bar's postfix, first one present wins
 _POSTFIX_METRICS: dict[str, tuple[str, ...]] = {"reward": ("reward/mean",), "kl": ("actor/kl", "actor/kl_loss")}
 
 
-class _RetryableStatus(Exception):
-    def __init__(self, status_code: int):
-        super().__init__(f"HTTP {status_code}")
-        self.status_code = status_code
+class _Resume(Exception):
+    """The event stream ended or went quiet before the job's final status: connect again
+    (after ``delay`` seconds), resuming after the last event id."""
+
+    def __init__(self, delay: float = 0.0):
+        super().__init__("the event stream ended before the final status")
+        self.delay = delay
 
 
 def _final_status(event: Event) -> JobStatus | None:
@@ -70,16 +78,6 @@ def _final_status(event: Event) -> JobStatus | None:
     except ValueError:
         return None
     return status if status.finished else None
-
-
-def _sleep(seconds: float, deadline: float | None, stop: threading.Event | None = None) -> bool:
-    """Sleep (never past ``deadline``); False when ``stop`` was set meanwhile."""
-    if deadline is not None:
-        seconds = min(seconds, max(0.0, deadline - time.monotonic()))
-    if stop is not None:
-        return not stop.wait(seconds)
-    time.sleep(seconds)
-    return True
 
 
 class JobHandle:
@@ -140,59 +138,85 @@ class JobHandle:
         return self._stream(after, deadline=None)
 
     def _stream(self, after: int | None, deadline: float | None) -> Iterator[Event]:
+        # One tenacity attempt per connection. Events reset the count of failed connections;
+        # a clean end or a quiet stream (ReadTimeout) is a _Resume, which never counts as one.
         client = self.client
         last = int(after or 0)
         failures = 0  # consecutive failed connections
         idle = 0  # consecutive clean ends that brought nothing new
-        while True:
-            read_timeout = client.stream_read_timeout
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise JobTimeoutError(f"timed out waiting for job {self.job_id} (it keeps running)")
-                read_timeout = min(read_timeout, remaining)
-            received = False
-            try:
-                for event in self._connect(last, read_timeout):
-                    if event.id <= last:
-                        continue  # the server repeated something we have: skip, never yield twice
-                    last = event.id
-                    received, failures, idle = True, 0, 0
-                    yield event
-                    if _final_status(event) is not None:
-                        return
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise JobTimeoutError(f"timed out waiting for job {self.job_id} (it keeps running)")
-            except httpx.ReadTimeout:
-                continue  # a quiet stream (no heartbeat): reconnect; the deadline check is above
-            except (httpx.TransportError, _RetryableStatus) as exc:
-                if failures >= client.retries:
-                    raise client.connection_error(exc, failures + 1) from exc
-                _sleep(client.backoff_delay(failures), deadline)
-                failures += 1
-                continue
-            if received:
-                continue  # the stream ended early: resume at once from the last id
-            if self.info().status.finished:
-                return  # nothing after `last` will ever come
-            _sleep(client.backoff_delay(min(idle, 4)), deadline)
-            idle += 1
+
+        def wait(state: RetryCallState) -> float:
+            error = state.outcome.exception() if state.outcome is not None else None
+            delay = error.delay if isinstance(error, _Resume) else client.backoff_delay(failures - 1)
+            return until(deadline, delay)
+
+        def give_up(state: RetryCallState) -> bool:
+            error = state.outcome.exception() if state.outcome is not None else None
+            return not isinstance(error, _Resume) and failures > client.retries
+
+        reconnects = Retrying(
+            retry=retry_if_exception_type((_Resume, httpx.TransportError, RetryableStatus)),
+            stop=give_up,
+            wait=wait,
+            reraise=True,
+        )
+        try:
+            for attempt in reconnects:
+                with attempt:
+                    read_timeout = client.stream_read_timeout
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise JobTimeoutError(f"timed out waiting for job {self.job_id} (it keeps running)")
+                        read_timeout = min(read_timeout, remaining)
+                    received = False
+                    try:
+                        for event in self._connect(last, read_timeout):
+                            if event.id <= last:
+                                continue  # the server repeated something we have: skip, never yield twice
+                            last = event.id
+                            received, failures, idle = True, 0, 0
+                            yield event
+                            if _final_status(event) is not None:
+                                return
+                            if deadline is not None and time.monotonic() >= deadline:
+                                raise JobTimeoutError(f"timed out waiting for job {self.job_id} (it keeps running)")
+                    except httpx.ReadTimeout:
+                        raise _Resume() from None  # a quiet stream (no heartbeat): reconnect at once
+                    except (httpx.TransportError, RetryableStatus):
+                        failures += 1
+                        raise
+                    if received:
+                        raise _Resume()  # the stream ended early: resume at once from the last id
+                    if self.info().status.finished:
+                        return  # nothing after `last` will ever come
+                    idle += 1
+                    raise _Resume(client.backoff_delay(min(idle - 1, 4)))
+        except (httpx.TransportError, RetryableStatus) as exc:
+            raise client.connection_error(exc, failures) from exc
 
     def _connect(self, last: int, read_timeout: float) -> Iterator[Event]:
         headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
         if last:
             headers["Last-Event-ID"] = str(last)
         with self.client.open_stream(f"{self._path}/events", headers=headers, read_timeout=read_timeout) as response:
-            if response.status_code in _RETRY_STATUSES:
-                raise _RetryableStatus(response.status_code)
+            if response.status_code in RETRY_STATUSES:
+                raise RetryableStatus(response)
             if response.is_error:
                 response.read()
                 raise error_from_response(response)
-            for sse in iter_sse(response.iter_lines()):
-                try:
-                    yield Event.model_validate_json(sse.data)
-                except pydantic.ValidationError as exc:
-                    raise OpenTinkerError(f"malformed event on the stream of job {self.job_id}: {sse.data[:200]!r}") from exc
+            try:
+                for sse in EventSource(response).iter_sse():
+                    if not sse.data:
+                        continue  # a bare id or retry field: no event
+                    try:
+                        yield Event.model_validate_json(sse.data)
+                    except pydantic.ValidationError as exc:
+                        raise OpenTinkerError(
+                            f"malformed event on the stream of job {self.job_id}: {sse.data[:200]!r}"
+                        ) from exc
+            except SSEError as exc:
+                raise OpenTinkerError(f"the events of job {self.job_id} came back as something else: {exc}") from exc
 
     def wait(
         self,
@@ -294,31 +318,27 @@ class JobHandle:
 
     def _download(self, path: str, target: Path, max_bytes: int | None = None) -> None:
         client = self.client
-        attempt = 0
-        while True:
-            try:
-                with client.open_stream(path, read_timeout=client.stream_read_timeout) as response:
-                    if response.status_code in _RETRY_STATUSES and attempt < client.retries:
-                        raise _RetryableStatus(response.status_code)
-                    if response.is_error:
-                        response.read()
-                        raise error_from_response(response)
-                    received = 0
-                    with open(target, "wb") as out:
-                        for chunk in response.iter_bytes(1 << 20):
-                            received += len(chunk)
-                            if max_bytes is not None and received > max_bytes:
-                                raise UnsafeArchiveError(
-                                    f"refusing the checkpoint download {path}: the server sent more than {max_bytes} "
-                                    "bytes (the limit follows MAX_ARCHIVE_BYTES and MAX_ARCHIVE_MEMBERS)"
-                                )
-                            out.write(chunk)
-                return
-            except (httpx.TransportError, _RetryableStatus) as exc:
-                if attempt >= client.retries:
-                    raise client.connection_error(exc, attempt + 1) from exc
-                time.sleep(client.backoff_delay(attempt))
-                attempt += 1
+
+        def download() -> None:
+            with client.open_stream(path, read_timeout=client.stream_read_timeout) as response:
+                if response.status_code in RETRY_STATUSES:
+                    response.read()
+                    raise RetryableStatus(response)
+                if response.is_error:
+                    response.read()
+                    raise error_from_response(response)
+                received = 0
+                with open(target, "wb") as out:
+                    for chunk in response.iter_bytes(1 << 20):
+                        received += len(chunk)
+                        if max_bytes is not None and received > max_bytes:
+                            raise UnsafeArchiveError(
+                                f"refusing the checkpoint download {path}: the server sent more than {max_bytes} "
+                                "bytes (the limit follows MAX_ARCHIVE_BYTES and MAX_ARCHIVE_MEMBERS)"
+                            )
+                        out.write(chunk)
+
+        retry_transient(client, download)
 
     # ------------------------------------------------------------------ client mode
 
@@ -349,19 +369,16 @@ class JobHandle:
         stop: threading.Event | None,
     ) -> StepAccepted | None:
         body = StepBatch(step=step, rows=[dict(r) for r in rows]).model_dump(mode="json")
-        key = idempotency_key or uuid.uuid4().hex
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        while True:
-            try:
-                answer = self.client.request_json("POST", f"{self._path}/steps", json=body, idempotency_key=key)
-                return StepAccepted.model_validate(answer)
-            except RateLimitError as exc:
-                delay = exc.retry_after if exc.retry_after is not None else _DEFAULT_RETRY_AFTER_S
-                delay = min(max(delay, 0.01), _MAX_RETRY_AFTER_S)
-                if deadline is not None and time.monotonic() + delay > deadline:
-                    raise
-                if not _sleep(delay, None, stop):
-                    return None
+        key = idempotency_key or uuid.uuid4().hex  # the same on every re-send of this step
+        try:
+            answer = retry_rate_limited(
+                lambda: self.client.request_json("POST", f"{self._path}/steps", json=body, idempotency_key=key),
+                timeout=timeout,
+                stop=stop,
+            )
+        except Stopped:
+            return None
+        return StepAccepted.model_validate(answer)
 
     def start_pushing(self, batches: Iterable[list[dict[str, Any]]]) -> None:
         """Push one batch per step from ``batches`` in a background thread, steps
@@ -655,10 +672,7 @@ def _copy_member(tar: tarfile.TarFile, member: tarfile.TarInfo, out: Any, total:
         raise _refuse(member, "has no data to read")
     written = 0
     with source:
-        while True:
-            chunk = source.read(_CHUNK_BYTES)
-            if not chunk:
-                break
+        for chunk in iter(lambda: source.read(_CHUNK_BYTES), b""):
             written += len(chunk)
             if written > member.size:
                 raise _refuse(member, f"holds more data than the {member.size} bytes its header declares")

@@ -15,11 +15,18 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from opentinker.client.client import OpenTinkerClient
 
@@ -42,17 +49,25 @@ def _server_cli(*args: str) -> str:
 
 
 def wait_for_health(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Ask ``/v1/health`` every 0.3 s until it answers 200; RuntimeError when the server
+    process exits first or ``timeout_s`` passes."""
+
+    def healthy() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode}; its log: {log_path}")
-        try:
-            if httpx.get(f"{url}/v1/health", timeout=1.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the server at {url} did not answer /v1/health within {timeout_s:.0f} s; log: {log_path}")
+        return httpx.get(f"{url}/v1/health", timeout=1.0, trust_env=False).status_code == 200
+
+    retrying = Retrying(
+        retry=retry_if_exception_type(httpx.HTTPError) | retry_if_result(lambda ok: not ok),
+        stop=stop_after_delay(timeout_s),
+        wait=wait_fixed(0.3),
+    )
+    try:
+        retrying(healthy)
+    except RetryError:
+        raise RuntimeError(
+            f"the server at {url} did not answer /v1/health within {timeout_s:.0f} s; log: {log_path}"
+        ) from None
 
 
 @contextlib.contextmanager

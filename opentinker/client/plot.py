@@ -1,22 +1,27 @@
-"""A reward curve as a PNG, with no plotting dependency (the thin client stays thin).
+"""A metric curve (the quickstart's reward curve) as a PNG, drawn with matplotlib.
 
-Draws a light grid, the raw per-step values and, when given, a smoothed line, scaled to the
-data's range; the file is an ordinary 8-bit RGB PNG written with zlib.
+matplotlib is the optional ``plot`` extra (``pip install "opentinker[plot]"``); it is imported
+when a curve is drawn, never with :mod:`opentinker.client`, so the thin client stays light.
+The figure has axes with ticks, the labels "step" and the metric's name, a title, the raw
+per-step values and their moving average.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-Color = tuple[int, int, int]
-BACKGROUND: Color = (255, 255, 255)
-GRID: Color = (225, 225, 225)
-AXIS: Color = (90, 90, 90)
-RAW: Color = (150, 180, 230)
-SMOOTH: Color = (20, 70, 170)
+__all__ = ["PLOT_INSTALL_HINT", "PlotUnavailableError", "curve_figure", "moving_average", "write_curve_png"]
+
+PLOT_INSTALL_HINT = 'pip install "opentinker[plot]" (or pip install matplotlib)'
+RAW_COLOR = "#96b4e6"  # the per-step values
+SMOOTH_COLOR = "#1446aa"  # their moving average
+_DPI = 100
+
+
+class PlotUnavailableError(ImportError):
+    """matplotlib is not installed; the message says how to get it."""
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -29,64 +34,55 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-class _Canvas:
-    def __init__(self, width: int, height: int):
-        self.width, self.height = width, height
-        self.pixels = bytearray(BACKGROUND * (width * height))
-
-    def dot(self, x: int, y: int, color: Color, radius: int = 0) -> None:
-        for dx in range(-radius, radius + 1):
-            for dy in range(-radius, radius + 1):
-                px, py = x + dx, y + dy
-                if 0 <= px < self.width and 0 <= py < self.height:
-                    offset = 3 * (py * self.width + px)
-                    self.pixels[offset: offset + 3] = bytes(color)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color: Color, radius: int = 0) -> None:
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for i in range(steps + 1):
-            self.dot(round(x0 + (x1 - x0) * i / steps), round(y0 + (y1 - y0) * i / steps), color, radius)
-
-    def png(self) -> bytes:
-        rows = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width: 3 * (y + 1) * self.width])
-                        for y in range(self.height))
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
-
-
-def write_curve_png(values: Sequence[float], path: str | Path, *, width: int = 640, height: int = 360,
-                    smooth_window: int = 5) -> Path:
-    """Plot ``values`` (one per step) to ``path``; returns the path."""
+def curve_figure(
+    values: Sequence[float],
+    *,
+    width: int = 640,
+    height: int = 360,
+    smooth_window: int = 5,
+    metric: str = "reward/mean",
+    title: str | None = None,
+    steps: Sequence[int] | None = None,
+):
+    """A matplotlib ``Figure``, ``width`` x ``height`` pixels: ``values`` (one per step;
+    ``steps`` default 1, 2, ...) and their moving average over ``smooth_window`` steps, with
+    the axis labels "step" and ``metric`` and a ``title``."""
     if not values:
         raise ValueError("write_curve_png: no values to plot")
-    canvas = _Canvas(width, height)
-    margin = 30
-    left, right, top, bottom = margin, width - margin, margin, height - margin
-    low, high = min(values), max(values)
-    if high - low < 1e-9:
-        low, high = low - 0.5, high + 0.5
-    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
-        y = round(bottom - fraction * (bottom - top))
-        canvas.line(left, y, right, y, GRID)
-    canvas.line(left, bottom, right, bottom, AXIS)
-    canvas.line(left, top, left, bottom, AXIS)
+    steps = list(steps) if steps is not None else list(range(1, len(values) + 1))
+    if len(steps) != len(values):
+        raise ValueError(f"write_curve_png: {len(steps)} steps for {len(values)} values")
+    try:
+        # A bare Figure (no pyplot) draws with the Agg renderer and leaves the process's
+        # matplotlib backend alone.
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise PlotUnavailableError(f"drawing the {metric} curve needs matplotlib: {PLOT_INSTALL_HINT}") from error
 
-    def point(i: int, value: float) -> tuple[int, int]:
-        x = left + (right - left) * (i / max(1, len(values) - 1))
-        y = bottom - (bottom - top) * (value - low) / (high - low)
-        return round(x), round(y)
+    figure = Figure(figsize=(width / _DPI, height / _DPI), dpi=_DPI)
+    axes = figure.add_subplot()
+    axes.plot(steps, values, color=RAW_COLOR, linewidth=1, label=metric)
+    window = max(1, min(smooth_window, len(values)))
+    axes.plot(steps, moving_average(values, window), color=SMOOTH_COLOR, linewidth=2.5,
+              label=f"moving average ({window} steps)")
+    if len(values) == 1:
+        axes.scatter(steps, values, color=SMOOTH_COLOR)
+    axes.set_xlabel("step")
+    axes.set_ylabel(metric)
+    axes.set_title(title or f"{metric} per training step")
+    axes.grid(True, color="#e1e1e1")
+    axes.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    return figure
 
-    for series, color, radius in ((values, RAW, 0), (moving_average(values, smooth_window), SMOOTH, 1)):
-        points = [point(i, v) for i, v in enumerate(series)]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            canvas.line(x0, y0, x1, y1, color, radius)
-        if len(points) == 1:
-            canvas.dot(*points[0], color, 2)
+
+def write_curve_png(values: Sequence[float], path: str | Path, **options: Any) -> Path:
+    """Plot ``values`` (one per step) to the PNG ``path``; returns the path. ``options`` are
+    those of :func:`curve_figure` (``width`` x ``height`` pixels, default 640 x 360, ``steps``,
+    ``metric``, ``title``, ``smooth_window``). Raises :class:`PlotUnavailableError` without
+    matplotlib."""
+    figure = curve_figure(values, **options)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(canvas.png())
+    figure.savefig(path, format="png", dpi=_DPI)
     return path

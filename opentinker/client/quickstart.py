@@ -3,7 +3,8 @@
 Starts ``opentinker-server`` on a free loopback port with the embedded tiny model, creates a
 user and an API key, trains a short GRPO job on arithmetic through the thin client (with a
 progress bar), writes the reward curve as a PNG, downloads the final checkpoint, and shuts
-the server down. Needs the server extra (``pip install "opentinker[server]"``).
+the server down. Needs the server extra (``pip install "opentinker[server]"``); the PNG needs
+matplotlib, the ``plot`` extra (without it the quickstart says how to get it and goes on).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from opentinker.client.client import OpenTinkerClient
 from opentinker.client.environment import GenericEnvironment
 from opentinker.client.local_server import local_server
-from opentinker.client.plot import write_curve_png
+from opentinker.client.plot import PlotUnavailableError, write_curve_png
 
 # Tuned for the embedded tiny model (the config defaults are verl's, sized for real LLMs).
 QUICKSTART_CONFIG = {
@@ -42,9 +43,15 @@ def _train(url: str, api_key: str, steps: int, out: Path) -> Path:
     job = client.submit(env)
     final = job.wait(progress=True)
     metrics = job.metrics()
-    rewards = [m["metrics"]["reward/mean"] for m in metrics if m.get("step", 0) > 0 and "reward/mean" in m["metrics"]]
+    points = [(m["step"], m["metrics"]["reward/mean"]) for m in metrics
+              if m.get("step", 0) > 0 and isinstance(m["metrics"].get("reward/mean"), (int, float))]
+    steps, rewards = [step for step, _ in points], [reward for _, reward in points]
     accuracy = [m["metrics"]["val/accuracy"] for m in metrics if "val/accuracy" in m["metrics"]]
-    curve = write_curve_png(rewards, out / "reward_curve.png")
+    try:
+        curve: Path | str = write_curve_png(rewards, out / "reward_curve.png", steps=steps,
+                                            metric="reward/mean", title=f"GRPO on arithmetic, job {final.job_id}")
+    except PlotUnavailableError as error:
+        curve = f"not drawn: {error}"
     checkpoint = job.download_checkpoint(dest=out / "checkpoint")
     quarter = max(1, len(rewards) // 4)
     print(f"[quickstart] job {final.job_id}: {final.status.value} after {final.step} steps")

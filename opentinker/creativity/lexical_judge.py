@@ -7,22 +7,23 @@ approaches apart that are described with the same words, and it splits paraphras
 almost no words. Use it where no judge model or API is available (CI, laptops, air-gapped
 machines) or as a cheap baseline; prefer the ``openai`` or ``hf`` judge for real runs.
 
-How a group is labelled (deterministic, numpy only):
+How a group is labelled (deterministic; scikit-learn, which the ``server`` extra installs):
 
 1. Tokens: lowercase words, arithmetic symbols (``+ - * / = ^ % < >`` and ``×``, ``÷``, ``√``)
    and numbers; every number becomes one placeholder ``<num>``, so ``7 + 8 = 15`` and
    ``7 + 8 = 16`` (an arithmetic slip) look the same. A short list of English function words is
    dropped.
 2. Features: unigrams and bigrams of the words, and separately of the arithmetic tokens;
-   sublinear term frequency ``1 + log(tf)`` times a smoothed inverse document frequency over
-   the responses of the group (``log((1 + n) / (1 + df)) + 1``); arithmetic grams are scaled by
+   scikit-learn's ``TfidfVectorizer`` with sublinear term frequency ``1 + log(tf)`` times a
+   smoothed inverse document frequency over the responses of the group
+   (``log((1 + n) / (1 + df)) + 1``); arithmetic grams are scaled by
    ``math_weight`` (default 0.2), then each vector is L2-normalized. Arithmetic is down-weighted
    because nearly every math solution is full of ``<num> + <num> = <num>``: at full weight it
    made unrelated methods look alike. Responses made only of arithmetic are still compared by
    it (the scale cancels in the cosine).
-3. Cosine similarity between responses, then average-linkage agglomeration: the two clusters
-   with the highest mean pairwise similarity merge while that mean is at least ``threshold``
-   (ties go to the lowest cluster indices).
+3. Cosine similarity between responses, then average-linkage agglomeration (scikit-learn's
+   ``AgglomerativeClustering`` on the distances ``1 - similarity``): the two clusters with the
+   highest mean pairwise similarity merge while that mean is at least ``threshold``.
 4. Labels ``"s0"``, ``"s1"``, ... in order of first appearance.
 
 The default ``threshold=0.15`` was chosen on the hand-written solutions in
@@ -35,13 +36,16 @@ examples, not a fitted value; raise it to split more, lower it to merge more.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+from sklearn.cluster import AgglomerativeClustering
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.metrics.pairwise import cosine_similarity
+from sklearn.preprocessing import normalize
 
 from opentinker.creativity.base import DedupedGroup, Group, JudgeMetrics
 
@@ -92,48 +96,35 @@ def similarity_matrix(texts: Sequence[str], math_weight: float = 0.2) -> np.ndar
     """Cosine similarities [n, n] of the TF-IDF vectors of ``texts``, where arithmetic grams
     weigh ``math_weight`` times as much as word grams (1 on the diagonal; two texts without any
     token count as similar, 1.0, and unlike everything else, 0.0)."""
+    n = len(texts)
     bags = [features(tokenize(text)) for text in texts]
-    n = len(bags)
-    vocabulary = sorted(set().union(*bags)) if bags else []
-    column = {gram: index for index, gram in enumerate(vocabulary)}
-    matrix = np.zeros((n, len(vocabulary)), dtype=np.float64)
-    for row, bag in enumerate(bags):
-        for gram, count in bag.items():
-            matrix[row, column[gram]] = 1.0 + math.log(count)
-    document_frequency = (matrix > 0).sum(axis=0)
-    matrix *= np.log((1.0 + n) / (1.0 + document_frequency)) + 1.0
-    matrix *= np.array([math_weight if gram.startswith(MATH_PREFIX) else 1.0 for gram in vocabulary])
-    norms = np.linalg.norm(matrix, axis=1)
-    empty = norms == 0
-    matrix[~empty] /= norms[~empty, None]
-    similarity = matrix @ matrix.T
+    empty = np.array([not bag for bag in bags], dtype=bool)
+    similarity = np.zeros((n, n))
+    if not empty.all():
+        vectorizer = TfidfVectorizer(analyzer=lambda bag: list(bag.elements()), sublinear_tf=True, norm=None)
+        matrix = vectorizer.fit_transform(bags)
+        weights = [math_weight if gram.startswith(MATH_PREFIX) else 1.0 for gram in vectorizer.get_feature_names_out()]
+        similarity = cosine_similarity(normalize(matrix.multiply(np.array(weights)[None, :]).tocsr()))
     similarity[np.ix_(empty, empty)] = 1.0
     np.fill_diagonal(similarity, 1.0)
     return similarity
 
 
 def average_linkage(similarity: np.ndarray, threshold: float) -> list[int]:
-    """Cluster index per item: merge the most similar pair of clusters (mean pairwise
-    similarity) while it is ``>= threshold``; ties go to the lowest cluster indices."""
+    """Cluster index per item (numbered in order of first appearance): merge the most similar
+    pair of clusters (mean pairwise similarity) while it is ``>= threshold``."""
     n = similarity.shape[0]
-    clusters: list[list[int]] = [[index] for index in range(n)]
-    while len(clusters) > 1:
-        best, best_pair = -math.inf, None
-        for first in range(len(clusters)):
-            for second in range(first + 1, len(clusters)):
-                value = float(similarity[np.ix_(clusters[first], clusters[second])].mean())
-                if value > best + 1e-12:
-                    best, best_pair = value, (first, second)
-        if best < threshold or best_pair is None:
-            break
-        first, second = best_pair
-        clusters[first] = sorted(clusters[first] + clusters[second])
-        del clusters[second]
-    assignment = [0] * n
-    for cluster_index, members in enumerate(sorted(clusters)):
-        for member in members:
-            assignment[member] = cluster_index
-    return assignment
+    if n < 2:
+        return [0] * n
+    clustering = AgglomerativeClustering(
+        n_clusters=None,
+        metric="precomputed",
+        linkage="average",
+        # scikit-learn merges below the threshold; a hair above 1 - threshold keeps ">=" merging
+        distance_threshold=1.0 - threshold + 1e-9,
+    ).fit(np.clip(1.0 - similarity, 0.0, None))
+    first_seen: dict[int, int] = {}
+    return [first_seen.setdefault(int(label), len(first_seen)) for label in clustering.labels_]
 
 
 class LexicalStrategyJudge:

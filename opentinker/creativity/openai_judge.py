@@ -8,8 +8,9 @@ Per group the judge sends one request (system + user message from
 :mod:`opentinker.creativity.prompt`, temperature 0, ``response_format={"type": "json_object"}``
 unless ``json_mode=False``) and parses the answer with :func:`parse_judgement`. A failed request
 (timeout, connection error, 408/409/429/5xx) and an answer that is no valid grouping are retried
-up to ``max_retries`` times with exponential backoff; other API errors (401, 403, 404, 400, ...)
-are not retried. A group that still fails comes back as ``None``: ``label_groups`` never raises
+up to ``max_retries`` times with exponential backoff (tenacity's ``AsyncRetrying``; the SDK's own
+retries are off, since they would not cover invalid answers); other API errors (401, 403, 404,
+400, ...) are not retried. A group that still fails comes back as ``None``: ``label_groups`` never raises
 for API failures. Configuration errors (no API key, no ``openai`` package) raise when the judge
 is built.
 
@@ -30,6 +31,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
+
 from opentinker.creativity.base import DedupedGroup, Group, JudgeConfigError, JudgeMetrics, JudgementCache, cache_key
 from opentinker.creativity.prompt import PROMPT_VERSION, JudgementError, build_messages, parse_judgement
 
@@ -38,6 +41,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 _RETRYABLE_STATUS = frozenset({408, 409, 429})
 T = TypeVar("T")
+
+
+class _AttemptFailed(Exception):
+    """One failed attempt at judging a group; ``retryable`` says whether another may follow."""
+
+    def __init__(self, message: str, *, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def run_coroutine_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -222,71 +233,81 @@ class OpenAIStrategyJudge:
         finally:
             await client.close()
 
-    def _backoff(self, retry: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * (2 ** (retry - 1)))
-
     async def _judge_one(self, client: Any, semaphore: asyncio.Semaphore, group: DedupedGroup) -> list[str] | None:
-        openai = self._openai
         messages = build_messages(group.question, group.unique, max_response_chars=self.max_response_chars)
         n = len(group.unique)
-        attempts = 0
-        last_error = "no attempt made"
-        while attempts <= self.max_retries:
-            if attempts:
-                await asyncio.sleep(self._backoff(attempts))
-            attempts += 1
-            response = None
-            retryable = True
-            async with semaphore:
-                self._metrics.add("calls")
-                request = self._request_kwargs(messages)
-                started = time.perf_counter()
-                try:
-                    response = await asyncio.wait_for(
-                        client.chat.completions.create(**request), timeout=self.timeout_s
-                    )
-                except asyncio.TimeoutError:
-                    last_error = f"no answer within timeout_s={self.timeout_s}"
-                except openai.APIStatusError as error:
-                    last_error = f"HTTP {error.status_code}: {_short(error)}"
-                    if (
-                        isinstance(error, openai.BadRequestError)
-                        and "response_format" in request
-                        and "response_format" in str(error).lower()
-                    ):
-                        if self.json_mode:
-                            logger.warning(
-                                "the judge server rejected response_format (%s); JSON mode is now off for %r",
-                                _short(error), self,
-                            )
-                            self.json_mode = False
-                        attempts -= 1  # the server's limitation, not a failed attempt
-                    else:
-                        retryable = error.status_code in _RETRYABLE_STATUS or error.status_code >= 500
-                except openai.APIConnectionError as error:  # includes APITimeoutError
-                    last_error = f"{type(error).__name__}: {_short(error)}"
-                except openai.OpenAIError as error:
-                    last_error = f"{type(error).__name__}: {_short(error)}"
-                    retryable = False
-                finally:
-                    self._metrics.add_latency(time.perf_counter() - started)
-            if response is None:
-                self._metrics.add("failures")
-                if not retryable:
-                    break
-                continue
-            self._count_usage(response)
-            try:
-                return parse_judgement(_content(response), n)
-            except JudgementError as error:
-                last_error = f"invalid judgement: {error}"
-                self._metrics.add("failures")
-                self._metrics.add("invalid_outputs")
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda error: isinstance(error, _AttemptFailed) and error.retryable),
+            stop=stop_after_attempt(self.max_retries + 1),
+            # backoff_s * 2**k (at most max_backoff_s) before retry k + 1
+            wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+        )
+        try:
+            return await retrying(self._attempt, client, semaphore, messages, n)
+        except RetryError as spent:
+            attempts, error = spent.last_attempt.attempt_number, spent.last_attempt.exception()
+        except _AttemptFailed as failed:  # not retryable
+            attempts, error = retrying.statistics.get("attempt_number", 1), failed
         logger.warning(
             "strategy judge gave up on a group of %d distinct responses after %d attempt(s): %s",
-            n, attempts, last_error,
+            n, attempts, error,
         )
         return None
+
+    async def _attempt(
+        self, client: Any, semaphore: asyncio.Semaphore, messages: list[dict[str, str]], n: int
+    ) -> list[str]:
+        """One attempt: a request (two when the server rejects JSON mode) and its parsed answer."""
+        openai = self._openai
+        async with semaphore:
+            sent_json_mode = self.json_mode  # what _send puts in the request (another group may turn it off)
+            try:
+                response = await self._send(client, messages)
+            except openai.BadRequestError as error:
+                if not sent_json_mode or "response_format" not in str(error).lower():
+                    raise _AttemptFailed(f"HTTP {error.status_code}: {_short(error)}", retryable=False) from error
+                if self.json_mode:
+                    logger.warning(
+                        "the judge server rejected response_format (%s); JSON mode is now off for %r",
+                        _short(error), self,
+                    )
+                    self.json_mode = False
+                response = await self._send(client, messages)  # the server's limitation, not a failed attempt
+        self._count_usage(response)
+        try:
+            return parse_judgement(_content(response), n)
+        except JudgementError as error:
+            self._metrics.add("failures")
+            self._metrics.add("invalid_outputs")
+            raise _AttemptFailed(f"invalid judgement: {error}") from error
+
+    async def _send(self, client: Any, messages: list[dict[str, str]]) -> Any:
+        """One request; a failure counts in ``judge/failures`` and raises :class:`_AttemptFailed`
+        (a 400 is passed on as ``openai.BadRequestError``, see :meth:`_attempt`)."""
+        openai = self._openai
+        self._metrics.add("calls")
+        request = self._request_kwargs(messages)
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(client.chat.completions.create(**request), timeout=self.timeout_s)
+        except asyncio.TimeoutError as error:
+            failure = _AttemptFailed(f"no answer within timeout_s={self.timeout_s}")
+            cause: BaseException = error
+        except openai.BadRequestError:
+            self._metrics.add("failures")
+            raise
+        except openai.APIStatusError as error:
+            retryable = error.status_code in _RETRYABLE_STATUS or error.status_code >= 500
+            failure, cause = _AttemptFailed(f"HTTP {error.status_code}: {_short(error)}", retryable=retryable), error
+        except openai.APIConnectionError as error:  # includes APITimeoutError
+            failure, cause = _AttemptFailed(f"{type(error).__name__}: {_short(error)}"), error
+        except openai.OpenAIError as error:
+            failure = _AttemptFailed(f"{type(error).__name__}: {_short(error)}", retryable=False)
+            cause = error
+        finally:
+            self._metrics.add_latency(time.perf_counter() - started)
+        self._metrics.add("failures")
+        raise failure from cause
 
     def _count_usage(self, response: Any) -> None:
         usage = getattr(response, "usage", None)

@@ -507,6 +507,7 @@ class RLTrainer:
         if last_val:
             history.append({"step": 0, **last_val})
             progress.write(f"step 0: {_format(last_val)}")
+            self._log_wandb(history[-1], step=0)
         while self.global_step < total:
             metrics = self.train_step()
             if "skip_reason" in metrics:
@@ -522,13 +523,17 @@ class RLTrainer:
                 val=f"{last_val.get('val/accuracy', float('nan')):.3f}",
             )
             progress.update(1)
-            if self.wandb_run is not None:  # numbers only: skip_reason and checkpoint are strings
-                self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-                                   step=self.global_step)
+            self._log_wandb(metrics, step=self.global_step)
             if on_step is not None:
                 on_step(self.global_step, metrics)
         progress.close()
         return history
+
+    def _log_wandb(self, metrics: dict[str, Any], step: int) -> None:
+        """Every numeric metric of a step to the wandb run, at that step (skip_reason and
+        checkpoint are strings and stay out)."""
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
         """Stop the agent-loop threads and the wandb run (the trainer is unusable afterwards)."""

@@ -44,6 +44,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from opentinker.environments.endpoints import EndpointPolicy, normalise_endpoint
 from opentinker.environments.interaction import (
@@ -348,17 +356,23 @@ class GymEnvironmentInteraction(Interaction):
     async def _post(self, base: str, path: str, body: dict[str, Any], retries: int | None = None) -> Any:
         url = _join(base, path)
         retries = self.retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                return await self._request_once(url, body)
-            except _Retryable as exc:
-                if attempt == retries:
-                    tries = f" (after {attempt + 1} attempts)" if attempt else ""
-                    raise EnvironmentServerError(url, f"{exc}{tries}") from exc.__cause__
-                delay = self.backoff_s * (2**attempt)
-                logger.warning("%s failed (%s); retry %d/%d in %.2fs", url, exc, attempt + 1, retries, delay)
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        def log_retry(state: RetryCallState) -> None:
+            logger.warning("%s failed (%s); retry %d/%d in %.2fs", url, state.outcome.exception(),
+                           state.attempt_number, retries, state.upcoming_sleep)
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(_Retryable),
+            stop=stop_after_attempt(retries + 1),
+            wait=wait_exponential(multiplier=self.backoff_s),  # backoff_s * 2**k before retry k + 1
+            before_sleep=log_retry,
+        )
+        try:
+            return await retrying(self._request_once, url, body)
+        except RetryError as spent:
+            exc, attempts = spent.last_attempt.exception(), spent.last_attempt.attempt_number
+            tries = f" (after {attempts} attempts)" if attempts > 1 else ""
+            raise EnvironmentServerError(url, f"{exc}{tries}") from exc.__cause__
 
     # Interaction API ---------------------------------------------------------------
 

@@ -1,27 +1,30 @@
 """Answer scorers: pure functions from (model response, ground truth) to a reward in [0, 1].
 
-No I/O and no heavy imports, so the client, the environments and the tests share them.
+No I/O and no heavy imports at import time, so the client, the environments and the tests
+share them (``score_math`` imports math-verify, of the ``env`` and ``server`` extras, when called).
 
 ``score_math`` in short: the final answer is taken from the last ``\\boxed{...}``, else the
 last ``#### <answer>``, else the last number of the response. It and the ground truth
 (from which a ``\\boxed{}`` or ``####`` answer is extracted the same way, when present) are
-compared as exact rationals when both parse as numbers, with a relative tolerance of
-``1e-6`` (so ``0.75`` equals ``3/4`` and ``\\frac{3}{4}``, and ``0.333333`` equals
-``1/3``); otherwise as strings after removing spaces, ``$`` delimiters, ``\\left``/``\\right``,
-LaTeX spacing and a trailing period. Numbers may carry thousands separators
-(``1,234``), a sign, a leading ``$``, and a trailing ``%`` or ``\\%`` (which is dropped:
-``50%`` is the number 50, the GSM8K convention — it is not 0.5). Symbolic forms
-(``\\sqrt2``, ``\\pi``, intervals) are only compared as strings.
+parsed and compared by math-verify (``math_verify.parse`` / ``verify``, with sympy): numbers
+are equal when they agree after rounding to 6 decimal places (so ``0.75`` equals ``3/4`` and
+``\\frac{3}{4}``, and ``0.333333`` equals ``1/3``), and expressions, intervals, sets and
+equations symbolically (``\\sqrt{2}`` equals ``2^{1/2}``, ``x+1`` equals ``x + 1``). Numbers may
+carry thousands separators (``1,234``), a sign, a leading ``$``, and a trailing ``%`` or ``\\%``
+(``50%`` equals 50, the GSM8K convention, and also 0.5). Answers math-verify cannot parse
+are compared as strings after removing spaces, ``$`` delimiters, ``\\left``/``\\right``, LaTeX
+spacing and a trailing period. math-verify's own timeouts use ``signal.alarm``, which works only
+in the main thread, and scoring runs in agent-loop threads and Ray actors: they are off, and
+answers longer than :data:`MAX_MATH_ANSWER_CHARS` are compared as strings only.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import logging
 import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from fractions import Fraction
 from typing import Literal
 
 __all__ = [
@@ -33,7 +36,6 @@ __all__ = [
     "get_scorer",
     "normalize_number",
     "normalize_text",
-    "parse_number",
     "score_contains",
     "score_exact",
     "score_math",
@@ -48,10 +50,9 @@ _NUMBER = re.compile(r"[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 # GSM8K's strict format: the answer follows "#### ".
 _STRICT = re.compile(r"####\s*([-+]?\$?\s*[\d.,]*\d)")
 _HASH_ANSWER = re.compile(r"####\s*(.+)")
-_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_FRAC = re.compile(r"(-?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _WHITESPACE = re.compile(r"\s+")
-_MATH_TOLERANCE = 1e-6
+#: longer final answers are not given to math-verify (it runs without a timeout here)
+MAX_MATH_ANSWER_CHARS = 1000
 
 
 def normalize_text(text: str) -> str:
@@ -178,41 +179,27 @@ def _clean_math(text: str) -> str:
     return s
 
 
-def parse_number(text: str) -> Fraction | None:
-    """The exact value of a plain numeric answer, or None.
-
-    Accepts integers (``-12``, ``1,234``), decimals (``0.75``, ``.5``), ``a/b``,
-    ``\\frac{a}{b}`` (also ``\\dfrac``/``\\tfrac``, sign in front), a leading ``$`` and
-    a trailing ``%``/``\\%`` (dropped: ``50%`` -> 50).
-    """
-    s = _clean_math(text)
-    if s.endswith("\\%"):
-        s = s[:-2]
-    elif s.endswith("%"):
-        s = s[:-1]
-    if not s:
-        return None
-    frac = _FRAC.fullmatch(s)
-    if frac:
-        num, den = parse_number(frac.group(2)), parse_number(frac.group(3))
-        if num is None or den is None or den == 0:
-            return None
-        value = num / den
-        return -value if frac.group(1) else value
-    if _THOUSANDS.fullmatch(s):
-        s = s.replace(",", "")
-    if re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", s):
-        return Fraction(s)
-    ratio = re.fullmatch(r"([-+]?\d+)/([-+]?\d+)", s)
-    if ratio and int(ratio.group(2)) != 0:
-        return Fraction(int(ratio.group(1)), int(ratio.group(2)))
-    return None
+@functools.cache
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError as error:
+        raise ImportError(
+            "the 'math' scorer needs math-verify: pip install 'opentinker[env]' (or 'math-verify')"
+        ) from error
+    # It warns that its timeouts are off; they are off on purpose (see the module doc).
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
+    return math_verify
 
 
-def _numbers_close(a: Fraction, b: Fraction) -> bool:
-    if a == b:
-        return True
-    return math.isclose(float(a), float(b), rel_tol=_MATH_TOLERANCE, abs_tol=0.0)
+def _parse_math(answer: str) -> list:
+    """math-verify's reading of one extracted answer ([] when it finds nothing)."""
+    if len(answer) > MAX_MATH_ANSWER_CHARS:
+        return []
+    math_verify = _math_verify()
+    # In $...$ so that it is read as LaTeX, the whole of it being the answer.
+    return math_verify.parse(f"${answer}$", parsing_timeout=None)
 
 
 def score_math(response: str, truth: str) -> float:
@@ -223,11 +210,9 @@ def score_math(response: str, truth: str) -> float:
     truth = str(truth)
     if "\\boxed" in truth or "\\fbox" in truth or "####" in truth:
         truth = extract_math_answer(truth) or truth
-    a, b = parse_number(answer), parse_number(truth)
-    if a is not None and b is not None:
-        return 1.0 if _numbers_close(a, b) else 0.0
-    if a is not None or b is not None:
-        return 0.0
+    parsed_answer, parsed_truth = _parse_math(answer), _parse_math(truth)
+    if parsed_answer and parsed_truth:
+        return 1.0 if _math_verify().verify(parsed_truth, parsed_answer, timeout_seconds=None) else 0.0
     return 1.0 if _clean_math(answer) == _clean_math(truth) and _clean_math(truth) else 0.0
 
 

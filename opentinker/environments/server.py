@@ -539,26 +539,36 @@ class _ServerThread:
 
 
 def _wait_healthy(urls: Sequence[str], timeout: float) -> None:
-    """Poll each ``{url}/health`` until it answers 200 (stdlib client: no proxies, no log noise)."""
+    """Ask each ``{url}/health`` every 20 ms until it answers 200 (stdlib client: no proxies,
+    no log noise); TimeoutError once ``timeout`` seconds have passed for all of them."""
     import http.client
     from urllib.parse import urlsplit
 
+    from tenacity import RetryError, Retrying, retry_if_result, wait_fixed
+
     deadline = time.monotonic() + timeout
-    for url in urls:
+
+    def healthy(url: str) -> bool:
         parts = urlsplit(url)
-        while True:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=1.0)
-            try:
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except (OSError, http.client.HTTPException):
-                pass
-            finally:
-                conn.close()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}/health did not answer within {timeout}s")
-            time.sleep(0.02)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=1.0)
+        try:
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
+
+    for url in urls:
+        retrying = Retrying(
+            retry=retry_if_result(lambda ok: not ok),
+            stop=lambda _state: time.monotonic() > deadline,
+            wait=wait_fixed(0.02),
+        )
+        try:
+            retrying(healthy, url)
+        except RetryError:
+            raise TimeoutError(f"{url}/health did not answer within {timeout}s") from None
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 Startup opens the store, marks jobs a previous process left running as ``interrupted``
 (their Ray actors died with it; queued jobs stay queued), queues again those that have a
 checkpoint to resume from, starts the JobManager (Ray) and schedules the queued jobs. OpenAPI docs are at ``/docs`` and ``/openapi.json``, public like
-``/v1/health``; every other route needs an API key.
+``/v1/health`` and the dashboard's page and static files (``/``, ``/dashboard/static/``);
+every other route needs an API key (or the dashboard's session cookie, made from one).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from fastapi import FastAPI
 import opentinker
 from opentinker.environments.registry import default_registry
 from opentinker.protocol import API_PREFIX
+from opentinker.server import dashboard
 from opentinker.server.errors import install_error_handlers
 from opentinker.server.event_bus import EventBus
 from opentinker.server.jobs import JobManager
 from opentinker.server.middleware import BodySizeLimit
-from opentinker.server.routers import checkpoints, env, events, health, jobs, models, steps
+from opentinker.server.model_serving import ModelServing
+from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, steps
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
 from opentinker.server.tinker import routes as tinker_routes
@@ -57,6 +60,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         manager.start()
         app.state.store = store
         app.state.manager = manager
+        app.state.serving = ModelServing(store, manager, settings)
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
         app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy, settings.tinker_settings())
         await app.state.tinker.start()
@@ -68,6 +72,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
             yield
         finally:
             await app.state.tinker.shutdown()
+            await app.state.serving.shutdown()
             await manager.shutdown()
             store.close()
 
@@ -84,8 +89,9 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     app.state.step_locks = {}
     app.state.tokenizers = Tokenizers(settings.job_policy)
     install_error_handlers(app)
-    for module in (health, models, jobs, steps, events, checkpoints, env):
+    for module in (health, models, jobs, steps, events, checkpoints, env, completions):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(tinker_routes.router)  # the Tinker API, under /api/v1
+    app.include_router(dashboard.router)  # the web dashboard at / and its login, /v1/session
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

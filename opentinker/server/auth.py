@@ -66,10 +66,38 @@ def _unauthorized(message: str) -> ApiError:
     return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
 
 
+# The dashboard's login: a random token in an HttpOnly, SameSite=Strict cookie, stored hashed
+# like a key (same entropy, same reasoning). A request the cookie authenticates that changes
+# something must also carry DASHBOARD_HEADER, which a cross-site form or link cannot set.
+SESSION_COOKIE = "ot_session"
+DASHBOARD_HEADER = "X-OpenTinker-Dashboard"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def new_session_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def check_dashboard_header(request: Request) -> None:
+    """403 for an unsafe request without ``X-OpenTinker-Dashboard: 1`` (cross-site request forgery)."""
+    if request.method not in SAFE_METHODS and request.headers.get(DASHBOARD_HEADER) != "1":
+        raise ApiError(403, f"a {request.method} authenticated by the dashboard's session cookie must send the "
+                            f"header '{DASHBOARD_HEADER}: 1' (so that other sites cannot make it)")
+
+
 async def current_user(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> User:
-    """FastAPI dependency: the user of the request's ``Authorization: Bearer <key>``."""
+    """FastAPI dependency: the user of the request's ``Authorization: Bearer <key>``, else of
+    its dashboard session cookie (unsafe methods then also need the dashboard header)."""
     if credentials is None:
-        raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        token = request.cookies.get(SESSION_COOKIE)
+        if not token:
+            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        session = request.app.state.store.session(hash_key(token))
+        if session is None:
+            raise _unauthorized("the dashboard session has ended (expired, logged out or its API key revoked); "
+                                "log in again")
+        check_dashboard_header(request)
+        return session.user
     user = authenticate(request.app.state.store, credentials.credentials.strip())
     if user is None:
         raise _unauthorized("invalid or revoked API key")

@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--tinker-max-models", type=int, default=4, help="live training clients per user")
     tinker.add_argument("--tinker-session-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a session without a heartbeat this long ends and its models are unloaded")
+    serving = serve.add_argument_group("serving trained models (/v1/chat/completions, /v1/completions)")
+    serving.add_argument("--serve-device", choices=["cpu", "cuda"], default="cpu",
+                         help="where saved checkpoints are loaded to answer requests (default: %(default)s)")
+    serving.add_argument("--serve-max-models", type=int, default=2, help="checkpoints kept loaded at once")
+    serving.add_argument("--serve-max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask")
+    serve.add_argument("--dashboard-session-hours", type=float, default=12.0, metavar="HOURS",
+                       help="how long a dashboard login (at /) lasts (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     admin = commands.add_parser("admin", help="manage users and API keys (works while the server runs)")
@@ -178,6 +185,10 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_ranks=args.tinker_ranks,
             tinker_max_models_per_user=args.tinker_max_models,
             tinker_session_timeout_s=args.tinker_session_timeout,
+            dashboard_session_s=args.dashboard_session_hours * 3600,
+            serve_device=args.serve_device,
+            serve_max_models=args.serve_max_models,
+            serve_max_tokens=args.serve_max_tokens,
         )
         app = create_app(settings)
     except ValueError as exc:

@@ -3,15 +3,17 @@ interaction registry, and the caller's own job (404 for anyone else's)."""
 
 from __future__ import annotations
 
+from pathlib import Path as FilePath
+
 from fastapi import Depends, Path, Request
 
 from opentinker.environments.registry import InteractionRegistry
 from opentinker.protocol import JOB_ID_PATTERN
 from opentinker.server.auth import current_user
-from opentinker.server.errors import not_found
+from opentinker.server.errors import ApiError, not_found
 from opentinker.server.jobs import JobManager
 from opentinker.server.settings import ServerSettings
-from opentinker.server.store import JobRecord, Store, User
+from opentinker.server.store import CheckpointRecord, JobRecord, Store, User
 
 
 def get_store(request: Request) -> Store:
@@ -41,3 +43,12 @@ def owned_job(
     if job is None:
         raise not_found(f"job {job_id!r}")
     return job
+
+
+def checkpoint_folder(record: CheckpointRecord, settings: ServerSettings) -> FilePath:
+    """The checkpoint's model folder; 404 unless it is on the server inside the job's own
+    folder (whatever path a runner reported, nothing else is ever read)."""
+    folder = FilePath(record.path).resolve()
+    if not folder.is_relative_to(settings.job_dir(record.job_id).resolve()) or not folder.is_dir():
+        raise ApiError(404, f"checkpoint {record.name!r} of job {record.job_id} is listed but its files are not on the server")
+    return folder

@@ -457,6 +457,13 @@ class JobManager:
         active.kill_task = asyncio.get_running_loop().create_task(self._kill_after_grace(active))
         return True
 
+    def started_actor(self, job_id: str) -> Any | None:
+        """The runner actor of a job whose runner is up and not being cancelled, else None."""
+        active = self._active.get(job_id)
+        if active is None or not active.started or active.cancel_requested:
+            return None
+        return active.actor
+
     def _actor(self, job_id: str) -> Any:
         active = self._active.get(job_id)
         if active is None:

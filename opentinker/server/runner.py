@@ -1,8 +1,9 @@
 """One training job, run inside a Ray actor (the server wraps this plain class).
 
 The actor is threaded (``max_concurrency > 1``): ``run`` blocks in one thread while the
-server calls ``drain_events``, ``push_batch``, ``cancel`` and ``request_checkpoint`` from
-others. Events are buffered here and pulled by the server (which makes them JSON-safe), so the actor may live on any
+server calls ``drain_events``, ``push_batch``, ``cancel``, ``request_checkpoint`` and ``serve``
+from others. ``serve`` answers a chat or text request with the job's rollout engine between
+training steps, so it always sees the weights of the last finished step. Events are buffered here and pulled by the server (which makes them JSON-safe), so the actor may live on any
 node of a Ray cluster; nothing in this module touches the server's database.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,10 @@ from opentinker.protocol import JobCreate
 from opentinker.server.policy import JobPolicy
 
 _BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
+
+
+class NotServingError(RuntimeError):
+    """``serve`` was called while the job has no model loaded (starting, or stopped)."""
 
 
 class JobCancelled(Exception):
@@ -41,6 +47,9 @@ class JobRunner:
         self._cancel = threading.Event()
         self._checkpoint = threading.Event()
         self.step = 0
+        self._trainer = None  # set once built: what serve() generates with
+        self._stopped = False
+        self._between_steps = threading.Lock()  # held by a training step, or by serve()
 
     @staticmethod
     def ray_actor_options(spec: dict[str, Any]) -> dict[str, Any]:
@@ -73,32 +82,48 @@ class JobRunner:
     def request_checkpoint(self) -> None:
         self._checkpoint.set()
 
+    def serve(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Completion events (``opentinker.engine.serving.stream_completions``) from the job's
+        current weights; called as a Ray streaming generator. Waits for a running step to end."""
+        from opentinker.engine.serving import ServeRequest, stream_completions
+
+        with self._between_steps:
+            trainer = self._trainer
+            if trainer is None:
+                state = "has stopped (its last checkpoint is served instead)" if self._stopped else "is loading its model"
+                raise NotServingError(f"job {self.job_id} {state}; try again shortly")
+            yield from stream_completions(trainer.rollout, trainer.tokenizer, ServeRequest.from_dict(request))
+
     # -- the job -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Train to the end (or until cancelled); never raises, returns the outcome."""
         trainer = None
         try:
             trainer = self._build_trainer()
+            self._trainer = trainer
             total = trainer.cfg.trainer.total_training_steps
             # The served name, never the path: where a model lives is the operator's business.
             name = self.policy.served_model(flatten(self.spec.config).get("actor_rollout_ref.model.path")).name
             self._emit("log", {"message": f"model {name} loaded; training {total} steps"})
-            initial = trainer.initial_validation()
+            with self._between_steps:
+                initial = trainer.initial_validation()
             if initial:
                 self._emit("metrics", {"step": 0, "metrics": initial})
             while trainer.global_step < total:
                 rows = self._next_rows(trainer.global_step + 1)
                 save = self._checkpoint.is_set()
                 self._checkpoint.clear()
-                metrics = trainer.train_step(rows, save=save)
+                with self._between_steps:
+                    metrics = trainer.train_step(rows, save=save)
                 self.step = trainer.global_step
+                checkpoint = metrics.pop("checkpoint", None)  # a server path: indexed, never published
                 skip_reason = metrics.pop("skip_reason", None)
                 if skip_reason:
                     self._emit("log", {"level": "warning", "message": f"step {self.step} skipped: {skip_reason}"})
                 self._emit("metrics", {"step": self.step, "metrics": metrics})
                 self._emit("progress", {"step": self.step, "total_steps": total})
-                if "checkpoint" in metrics:
-                    path = Path(metrics["checkpoint"])
+                if checkpoint is not None:
+                    path = Path(checkpoint)
                     self._emit("checkpoint", {"step": self.step, "name": path.parent.name, "path": str(path)})
                 if self._cancel.is_set():
                     raise JobCancelled
@@ -110,8 +135,10 @@ class JobRunner:
             self._emit("error", {"message": message, "traceback": traceback.format_exc(limit=20)})
             return {"status": "failed", "error": message, "step": self.step}
         finally:
-            if trainer is not None:
-                trainer.close()
+            with self._between_steps:  # a request being served ends first
+                self._trainer, self._stopped = None, True
+                if trainer is not None:
+                    trainer.close()
 
     def _build_trainer(self):
         from opentinker.engine.trainer import RLTrainer

@@ -55,6 +55,7 @@ class ServerSettings:
     runner_call_timeout_s: float = 10.0  # control calls (queued, request_checkpoint) to a runner
     keepalive_s: float = 10.0  # SSE comment interval, so proxies keep idle streams open
     endpoint_check_timeout_s: float = 3.0  # POST /v1/env/check: per env server /health
+    dashboard_session_s: float = 12 * 3600.0  # a dashboard login (cookie) lasts this long
     # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
     tinker_ranks: int = 1  # FSDP ranks per model (tinker_strategy=fsdp)
@@ -62,6 +63,10 @@ class ServerSettings:
     tinker_session_timeout_s: float = 300.0  # a session without a heartbeat this long ends
     tinker_long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (< the SDK's 45 s)
     tinker_keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
+    # Serving trained models (/v1/chat/completions, /v1/completions).
+    serve_device: str = "cpu"  # where saved checkpoints are loaded to answer: cpu | cuda (one GPU)
+    serve_max_models: int = 2  # checkpoints kept loaded at once (least recently used dropped)
+    serve_max_tokens: int = 1024  # the largest max_tokens a request may ask for
     job_policy: JobPolicy = field(init=False, repr=False)  # derived: what jobs may ask for
 
     def __post_init__(self) -> None:
@@ -70,16 +75,19 @@ class ServerSettings:
             setattr(self, name, list(getattr(self, name)))
         for name in ("max_queued_steps", "max_running_jobs_per_user", "max_env_shards", "max_body_bytes",
                      "max_rows_per_step", "max_concurrent_env_checks", "tinker_ranks",
-                     "tinker_max_models_per_user", "tinker_keep_ephemeral"):
+                     "tinker_max_models_per_user", "tinker_keep_ephemeral", "serve_max_models", "serve_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_jobs_per_user < 0:
             raise ValueError(f"max_queued_jobs_per_user must be >= 0, got {self.max_queued_jobs_per_user}")
+        if self.serve_device not in ("cpu", "cuda"):
+            raise ValueError(f"serve_device must be 'cpu' or 'cuda', got {self.serve_device!r}")
         if self.tinker_strategy not in ("local", "fsdp"):
             raise ValueError(f"tinker_strategy must be 'local' or 'fsdp', got {self.tinker_strategy!r}")
         if not 0 < self.tinker_long_poll_s < 45:
             raise ValueError(f"tinker_long_poll_s must be in (0, 45) (the SDK's read timeout), got {self.tinker_long_poll_s}")
-        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "tinker_session_timeout_s"):
+        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "tinker_session_timeout_s",
+                     "dashboard_session_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self.config_limits = check_limits(self.config_limits)

@@ -94,6 +94,14 @@ CREATE TABLE IF NOT EXISTS steps (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS steps_by_key ON steps(job_id, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
+-- The dashboard's cookie sessions: only the token's hash; a session lives while its API key does.
+CREATE TABLE IF NOT EXISTS dashboard_sessions (
+    token_hash TEXT PRIMARY KEY,
+    user_id INTEGER NOT NULL REFERENCES users(id),
+    api_key_id INTEGER NOT NULL REFERENCES api_keys(id),
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
 
 _UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
@@ -128,6 +136,16 @@ class ApiKeyInfo:
     prefix: str
     created_at: float
     revoked: bool
+
+
+@dataclass(frozen=True)
+class DashboardSession:
+    """A browser's login (``POST /v1/session``): valid until ``expires_at`` while its key is not revoked."""
+
+    user: User
+    key_prefix: str  # of the API key it was opened with
+    created_at: float
+    expires_at: float
 
 
 @dataclass(frozen=True)
@@ -307,8 +325,45 @@ class Store:
         return [ApiKeyInfo(**{**dict(r), "revoked": bool(r["revoked"])}) for r in rows]
 
     def revoke_api_key(self, key_hash: str) -> bool:
+        """Revoke the key; its dashboard sessions end with it."""
         with self._transaction() as conn:
             cur = conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_hash = ? AND revoked = 0", (key_hash,))
+            conn.execute("DELETE FROM dashboard_sessions WHERE api_key_id IN "
+                         "(SELECT id FROM api_keys WHERE key_hash = ?)", (key_hash,))
+        return cur.rowcount > 0
+
+    # dashboard sessions ---------------------------------------------------------------
+
+    def create_session(self, key_hash: str, token_hash: str, ttl_s: float) -> DashboardSession | None:
+        """A browser session for the (unrevoked) key of ``key_hash``, found by ``token_hash``
+        for ``ttl_s`` seconds; None for an unknown or revoked key. Expired rows go meanwhile."""
+        now = time.time()
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM dashboard_sessions WHERE expires_at <= ?", (now,))
+            cur = conn.execute(
+                "INSERT INTO dashboard_sessions (token_hash, user_id, api_key_id, created_at, expires_at) "
+                "SELECT ?, user_id, id, ?, ? FROM api_keys WHERE key_hash = ? AND revoked = 0",
+                (token_hash, now, now + ttl_s, key_hash),
+            )
+        return self.session(token_hash) if cur.rowcount else None
+
+    def session(self, token_hash: str) -> DashboardSession | None:
+        """The live session of ``token_hash``: not expired, its API key not revoked."""
+        rows = self._query(
+            "SELECT u.id, u.name, u.created_at AS user_created_at, k.prefix, s.created_at, s.expires_at "
+            "FROM dashboard_sessions s JOIN api_keys k ON k.id = s.api_key_id JOIN users u ON u.id = s.user_id "
+            "WHERE s.token_hash = ? AND s.expires_at > ? AND k.revoked = 0",
+            (token_hash, time.time()),
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return DashboardSession(user=User(id=r["id"], name=r["name"], created_at=r["user_created_at"]),
+                                key_prefix=r["prefix"], created_at=r["created_at"], expires_at=r["expires_at"])
+
+    def delete_session(self, token_hash: str) -> bool:
+        with self._transaction() as conn:
+            cur = conn.execute("DELETE FROM dashboard_sessions WHERE token_hash = ?", (token_hash,))
         return cur.rowcount > 0
 
     # jobs ----------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from opentinker.client import (
@@ -17,8 +19,8 @@ from opentinker.client import (
     RateLimitError,
     UnsafeArchiveError,
 )
+from opentinker.client import JobHandle, OpenTinkerClient
 from opentinker.client.jobs import extract_tar_safely
-from opentinker.client.sse import iter_sse
 from opentinker.protocol import CheckpointInfo, JobCreate, JobStatus
 
 ROW = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}
@@ -30,11 +32,21 @@ def _finished_job(client, proto, steps=3, **kw):
     return job, info
 
 
-def test_sse_parser_handles_comments_multiline_data_and_cut_events():
-    lines = [": hello", "", "id: 1", "event: log", "data: a", "data: b", "", "retry: 50", "id: 2", "data: {cut"]
-    events = list(iter_sse(lines))
-    assert len(events) == 1  # the last event never got its blank line
-    assert events[0].data == "a\nb" and events[0].event == "log" and events[0].id == "1"
+def test_sse_stream_handles_comments_multiline_data_and_cut_events():
+    """The client's reading of a stream (httpx-sse underneath): comments are skipped, data
+    lines are joined, a bare id/retry is no event, and an event cut off by the connection
+    (no blank line yet) is discarded, so a reconnect picks it up again."""
+    event = {"id": 1, "job_id": "j", "type": "log", "data": {"message": "hi"}, "created_at": 0.0}
+    data = "".join(f"data: {line}\n" for line in json.dumps(event, indent=1).splitlines())
+    body = (f": hello\n\nid: 1\nevent: log\n{data}\n"
+            'retry: 50\nid: 2\n\nid: 3\ndata: {"id": 3, "cut')
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, text=body)
+    )
+    with OpenTinkerClient("http://opentinker.test", "k") as client:
+        client._http = httpx.Client(transport=transport)
+        events = list(JobHandle(client, "j")._connect(0, read_timeout=5))
+    assert [e.model_dump() for e in events] == [event]  # the last event never got its blank line
 
 
 def test_stream_yields_every_event_once_in_order(client, proto):

@@ -19,7 +19,10 @@ def test_client_imports_and_works_without_heavy_packages(run_without_heavy_packa
                                  [InteractionSpec(name="g", class_path="gym", config={"env_endpoint": "http://h:1"})],
                                  data_generator=(lambda i: {"extra_info": {"interaction_kwargs": {"name": "g"}}}, 16))
         assert len(list(env.get_dataloader())) == 2
-        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "ray", "vllm"))
+        from opentinker.client import plot, quickstart  # matplotlib only when a curve is drawn
+        heavy = sorted(
+            m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "ray", "vllm", "matplotlib")
+        )
         assert not heavy, heavy
         print("ok")
         """

@@ -1,50 +1,60 @@
-"""The reward-curve PNG and `opentinker quickstart` (real server process, tiny model)."""
+"""The reward-curve PNG (matplotlib) and `opentinker quickstart` (real server process, tiny model)."""
 
 from __future__ import annotations
 
-import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
 
-from opentinker.client.plot import moving_average, write_curve_png
+from opentinker.client.plot import PlotUnavailableError, curve_figure, moving_average, write_curve_png
+
+np = pytest.importorskip("numpy")
+Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("matplotlib")
 
 
 def read_png(path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height, depth, color = struct.unpack(">IIBB", data[16:26])
-    chunks, offset = [], 8
-    while offset < len(data):
-        (length,) = struct.unpack(">I", data[offset:offset + 4])
-        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
-        assert struct.unpack(">I", data[offset + 8 + length:offset + 12 + length])[0] == zlib.crc32(kind + body)
-        chunks.append((kind, body))
-        offset += 12 + length
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    rows = [raw[y * (3 * width + 1) + 1:(y + 1) * (3 * width + 1)] for y in range(height)]
-    return width, height, depth, color, rows
+    """(width, height, pixels as an [height, width, 3] uint8 array) of a PNG file."""
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return image.width, image.height, np.asarray(image.convert("RGB"))
 
 
 def test_curve_png_is_valid_and_rises_like_the_data(tmp_path):
-    path = write_curve_png([0.1, 0.2, 0.3, 0.5, 0.8], tmp_path / "curve.png", width=200, height=100)
-    width, height, depth, color, rows = read_png(path)
-    assert (width, height, depth, color) == (200, 100, 8, 2)
-    smooth_blue = bytes((20, 70, 170))
-
-    def curve_rows_at(x: int) -> list[int]:
-        return [y for y, row in enumerate(rows) if row[3 * x:3 * x + 3] == smooth_blue]
-
+    path = write_curve_png([0.1, 0.2, 0.3, 0.5, 0.8], tmp_path / "curve.png", width=400, height=300)
+    width, height, pixels = read_png(path)
+    assert (width, height) == (400, 300)
+    smooth_blue = np.array((0x14, 0x46, 0xAA))
+    on_curve = np.abs(pixels.astype(int) - smooth_blue).max(axis=2) <= 8
+    columns = np.flatnonzero(on_curve.any(axis=0))
+    assert len(columns) > width // 3  # the smoothed line spans the plot area
+    left, right = columns[len(columns) // 10], columns[-len(columns) // 10]
     # a rising series is drawn lower on the left than on the right (y grows downwards)
-    assert min(curve_rows_at(35)) > max(curve_rows_at(165))
+    assert np.flatnonzero(on_curve[:, left]).min() > np.flatnonzero(on_curve[:, right]).max()
+
+
+def test_curve_has_axes_labels_title_and_both_lines():
+    figure = curve_figure([0.1, 0.4, 0.2], metric="reward/mean", title="my run", steps=[2, 4, 6])
+    (axes,) = figure.axes
+    assert (axes.get_xlabel(), axes.get_ylabel(), axes.get_title()) == ("step", "reward/mean", "my run")
+    raw, smooth = axes.get_lines()
+    assert list(raw.get_xdata()) == [2, 4, 6] and list(raw.get_ydata()) == [0.1, 0.4, 0.2]
+    assert list(smooth.get_ydata()) == pytest.approx(moving_average([0.1, 0.4, 0.2], 3))
+    assert curve_figure([0.5]).axes[0].get_title() == "reward/mean per training step"
 
 
 def test_moving_average_and_empty_input(tmp_path):
     assert moving_average([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     with pytest.raises(ValueError, match="no values"):
         write_curve_png([], tmp_path / "x.png")
+
+
+def test_without_matplotlib_the_error_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # not installed
+    with pytest.raises(PlotUnavailableError, match=r"opentinker\[plot\]"):
+        write_curve_png([0.1, 0.2], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
 
 
 @pytest.mark.slow

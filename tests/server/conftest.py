@@ -317,22 +317,13 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "c
 
 
 def iter_sse(response: httpx.Response) -> Iterator[dict[str, str]]:
-    """A tiny Server-Sent Events parser: one dict (id, event, data) per event; comments
-    (``: keep-alive``) are skipped."""
-    fields: dict[str, str] = {}
-    for line in response.iter_lines():
-        if line == "":
-            if "data" in fields:
-                yield fields
-            fields = {}
-            continue
-        if line.startswith(":"):
-            continue
-        key, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        fields[key] = fields[key] + "\n" + value if key == "data" and key in fields else value
-    if "data" in fields:
-        yield fields
+    """One dict (id, event, data) per Server-Sent Event of ``response`` (httpx-sse reads them;
+    comments such as ``: keep-alive`` are skipped)."""
+    from httpx_sse import EventSource
+
+    for sse in EventSource(response).iter_sse():
+        if sse.data:
+            yield {"id": sse.id, "event": sse.event, "data": sse.data}
 
 
 def create_job(client: httpx.Client, name: str, *, mode: str = "server", steps: int = 3, **body: Any) -> str:
@@ -375,4 +366,6 @@ def helpers():
         all_events=all_events,
         make_user=make_user,
         StandInRunner=StandInRunner,
+        LiveServer=LiveServer,  # LiveServer(test_settings(...), runner_cls=None): the real JobRunner
+        test_settings=test_settings,
     )

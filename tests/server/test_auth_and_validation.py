@@ -21,6 +21,8 @@ ROUTES = [
     ("POST", f"/v1/jobs/{JOB}/checkpoints", None),
     ("GET", f"/v1/jobs/{JOB}/checkpoints/global_step_1/download", None),
     ("POST", "/v1/env/check", {"interactions": []}),
+    ("POST", "/v1/chat/completions", {"model": JOB, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/completions", {"model": JOB, "prompt": "hi"}),
 ]
 
 

@@ -280,6 +280,9 @@ def test_a_stopped_job_resumes_from_its_last_checkpoint(alice, server, helpers):
     helpers.wait_for(lambda: alice.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"], 30, "a checkpoint")
     checkpoint = alice.get(f"/v1/jobs/{job_id}/checkpoints").json()["checkpoints"][0]["step"]
     alice.post(f"/v1/jobs/{job_id}/cancel")
+    # Until its runner has finished the step, a resume would be undone by the cancel's end.
+    stopping = alice.post(f"/v1/jobs/{job_id}/resume")
+    assert stopping.status_code == 409 and "still stopping" in stopping.json()["error"], stopping.text
     helpers.wait_for(lambda: job_id not in server.manager.active_job_ids(), 30, "the runner to stop")
     stopped_at = alice.get(f"/v1/jobs/{job_id}").json()["step"]
     resumed = alice.post(f"/v1/jobs/{job_id}/resume")

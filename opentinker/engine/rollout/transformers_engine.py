@@ -14,7 +14,7 @@ overhead, was 8-18% faster here; it was left out as a second copy of every model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,6 +22,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 from opentinker.engine.rollout.kv_cache import in_place_cache
+
+
+#: ``on_tokens(rows, tokens)`` of :meth:`TransformersRolloutEngine.generate`.
+TokenCallback = Callable[[list[int], list[int]], None]
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -113,7 +117,11 @@ class TransformersRolloutEngine:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
+        *,
+        on_tokens: TokenCallback | None = None,
     ) -> list[Completion]:
+        """One completion per prompt; ``on_tokens(rows, tokens)``, when given, hears each decode
+        step's new token of every row still generating (rows index ``prompts``), as it is chosen."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -121,7 +129,7 @@ class TransformersRolloutEngine:
         completions: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             end = start + self.max_batch_size
-            completions.extend(self._generate_batch(prompts[start:end], params[start:end]))
+            completions.extend(self._generate_batch(prompts[start:end], params[start:end], on_tokens, start))
         return completions
 
     def _prefill(self, prompts: Sequence[Sequence[int]], new_tokens: int):
@@ -158,7 +166,8 @@ class TransformersRolloutEngine:
         return cache, logits, attention_mask.to(device), next_position.to(device)
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Completion]:
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                        on_tokens: TokenCallback | None = None, first_row: int = 0) -> list[Completion]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         batch = len(prompts)
@@ -184,6 +193,8 @@ class TransformersRolloutEngine:
             chosen, chosen_logprobs = self._next_tokens(logits, settings, rows)
             tokens[active, step] = chosen
             logprobs[active, step] = chosen_logprobs
+            if on_tokens is not None:
+                on_tokens([first_row + row for row in rows], chosen.tolist())
             step += 1
             hit_stop = settings.is_stop(chosen)
             if stop_texts:

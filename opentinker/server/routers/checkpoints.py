@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path as FilePath
 from typing import Any
 
 from fastapi import APIRouter, Depends, Path
@@ -12,7 +11,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from opentinker.protocol import CHECKPOINT_NAME_PATTERN, CheckpointList
 from opentinker.server.archive import iter_tar_gz
 from opentinker.server.auth import current_user
-from opentinker.server.deps import get_manager, get_settings, get_store, owned_job
+from opentinker.server.deps import checkpoint_folder, get_manager, get_settings, get_store, owned_job
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses, not_found
 from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
 from opentinker.server.settings import ServerSettings
@@ -70,13 +69,8 @@ async def download_checkpoint(
     record = store.get_checkpoint(job.job_id, name)
     if record is None:
         raise not_found(f"checkpoint {name!r} of job {job.job_id}")
-    folder = FilePath(record.path).resolve()
-    job_dir = settings.job_dir(job.job_id).resolve()
-    # Only the job's own folder is ever served, whatever path a runner reported.
-    if not folder.is_relative_to(job_dir) or not folder.is_dir():
-        raise ApiError(404, f"checkpoint {name!r} of job {job.job_id} is listed but its files are not on the server")
     return StreamingResponse(
-        iter_tar_gz(folder, name),
+        iter_tar_gz(checkpoint_folder(record, settings), name),
         media_type="application/gzip",
         headers={"Content-Disposition": f'attachment; filename="{job.job_id}-{name}.tar.gz"'},
     )

@@ -1,10 +1,11 @@
 """``GET /v1/jobs/{id}/events``: the job's event log as Server-Sent Events (or JSON).
 
-Each event is ``id: <seq>``, ``event: <type>``, ``data: <Event JSON>``. A stream starts
-after ``Last-Event-ID`` (what a reconnecting SSE client sends) or ``?after=N``, sends what
-is stored, then waits for the store to announce new events (``EventBus``; no polling), and
-ends once the job's final status event has been sent, so ``for event in stream``
-terminates by itself.
+Each event is ``id: <seq>``, ``event: <type>``, ``data: <Event JSON>`` (sse-starlette's
+``EventSourceResponse`` writes them). A stream starts after ``Last-Event-ID`` (what a
+reconnecting SSE client sends) or ``?after=N``, sends what is stored, then waits for the store
+to announce new events (``EventBus``; no polling), and ends once the job's final status event
+has been sent, so ``for event in stream`` terminates by itself. A ``: keep-alive`` comment goes
+out every ``keepalive_s`` seconds (sse-starlette's ping) so that proxies keep idle streams open.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from opentinker.protocol import MAX_INT, Event
 from opentinker.server.auth import current_user
@@ -31,11 +33,19 @@ router = APIRouter(
 PAGE = 500
 
 
-def format_sse(event: Event) -> str:
-    return f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
+def to_sse(event: Event) -> ServerSentEvent:
+    return ServerSentEvent(data=event.model_dump_json(), id=str(event.id), event=event.type, sep="\n")
 
 
-async def event_stream(store: Store, bus: EventBus, job_id: str, after: int, keepalive_s: float) -> AsyncIterator[str]:
+def keep_alive() -> ServerSentEvent:
+    return ServerSentEvent(comment="keep-alive", sep="\n")
+
+
+async def event_stream(
+    store: Store, bus: EventBus, job_id: str, after: int, wake_s: float
+) -> AsyncIterator[ServerSentEvent]:
+    """The job's events after ``after``, then each new one as the bus announces it; ends after
+    the final status event. Not a retry loop: one pass per page or per wake-up."""
     cursor = after
     while True:
         wake = bus.waiter(job_id)  # before reading: an event stored meanwhile still wakes us
@@ -47,15 +57,13 @@ async def event_stream(store: Store, bus: EventBus, job_id: str, after: int, kee
                 return
             events = store.list_events(job_id, after=cursor, limit=PAGE)
             for event in events:
-                yield format_sse(event)
+                yield to_sse(event)
                 cursor = event.id
             if len(events) == PAGE:
                 continue
             if job.final_event_seq is not None and cursor >= job.final_event_seq:
                 return
-            await asyncio.wait({wake}, timeout=keepalive_s)
-            if not wake.done():
-                yield ": keep-alive\n\n"
+            await asyncio.wait({wake}, timeout=wake_s)  # the timeout: a store change the bus missed
         finally:
             wake.cancel()
 
@@ -88,8 +96,10 @@ async def job_events(
     if not stream:
         events = store.list_events(job.job_id, after=after, limit=limit)
         return JSONResponse({"events": [event.model_dump(mode="json") for event in events]})
-    return StreamingResponse(
+    return EventSourceResponse(
         event_stream(store, request.app.state.event_bus, job.job_id, after, settings.keepalive_s),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache"},
+        ping=settings.keepalive_s,
+        ping_message_factory=keep_alive,
+        sep="\n",
     )

@@ -208,6 +208,9 @@ async def resume_job(
     if not job.status.finished or job.status is JobStatus.COMPLETED:
         raise ApiError(409, f"job {job.job_id} is {job.status.value}; only a stopped job (interrupted, failed or "
                             "cancelled) can be resumed")
+    if manager.is_active(job.job_id):  # its runner is still finishing the last step
+        raise ApiError(409, f"job {job.job_id} is still stopping (its runner is finishing a step); resume it once "
+                            "its final status event has arrived", headers={"Retry-After": "2"})
     limit = settings.max_running_jobs_per_user + settings.max_queued_jobs_per_user
     unfinished = sum(1 for j in store.list_jobs(user) if not j.status.finished)
     if unfinished >= limit:
