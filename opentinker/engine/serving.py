@@ -170,32 +170,26 @@ class CheckpointServer:
         self.device = device
         self.max_models = max_models
         self.trust_remote_code = trust_remote_code
-        self._loaded: collections.OrderedDict[str, tuple[Any, Any]] = collections.OrderedDict()
+        self._loaded: collections.OrderedDict[str, Any] = collections.OrderedDict()  # folder -> engine
         self._lock = threading.Lock()  # one load at a time; the table is shared by the threads
 
-    def _engine(self, folder: str) -> tuple[Any, Any]:
-        from opentinker.engine.model_loading import eos_token_ids, load_causal_lm, load_tokenizer
+    def _engine(self, folder: str) -> Any:
         from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 
         with self._lock:
             if folder in self._loaded:
                 self._loaded.move_to_end(folder)
                 return self._loaded[folder]
-            tokenizer = load_tokenizer(folder, self.trust_remote_code)
-            model = load_causal_lm(folder, device=self.device, trust_remote_code=self.trust_remote_code)
-            engine = TransformersRolloutEngine(model, eos_token_ids(tokenizer, folder), tokenizer.pad_token_id,
-                                               tokenizer=tokenizer)
-            self._loaded[folder] = (engine, tokenizer)
+            engine = TransformersRolloutEngine.from_pretrained(folder, device=self.device,
+                                                               trust_remote_code=self.trust_remote_code)
+            self._loaded[folder] = engine
             while len(self._loaded) > self.max_models:  # requests under way keep their own reference
                 self._loaded.popitem(last=False)
-            return engine, tokenizer
+            return engine
 
     def stream(self, folder: str, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """:func:`stream_completions` from the checkpoint in ``folder`` (a Ray streaming generator)."""
         if not Path(folder, "config.json").is_file():
             raise FileNotFoundError(f"no model in the checkpoint folder {Path(folder).name!r}")
-        engine, tokenizer = self._engine(folder)
-        yield from stream_completions(engine, tokenizer, ServeRequest.from_dict(request))
-
-    def loaded(self) -> list[str]:
-        return list(self._loaded)
+        engine = self._engine(folder)
+        yield from stream_completions(engine, engine.tokenizer, ServeRequest.from_dict(request))

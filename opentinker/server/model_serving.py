@@ -47,7 +47,7 @@ class ServedWeights:
 
 
 def _matches(pattern: str, text: str) -> bool:
-    return re.fullmatch(pattern.strip("^$"), text) is not None
+    return re.fullmatch(pattern, text) is not None
 
 
 class ModelServing:

@@ -11,11 +11,8 @@ from opentinker.engine.serving import IncrementalText, ServeRequest, stream_comp
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, tiny_tokenizer):
-    from opentinker.engine.model_loading import eos_token_ids, load_causal_lm
-
-    return TransformersRolloutEngine(load_causal_lm(str(tiny_model_dir)), eos_token_ids(tiny_tokenizer, str(tiny_model_dir)),
-                                     tiny_tokenizer.pad_token_id, tokenizer=tiny_tokenizer)
+def engine(tiny_model_dir):
+    return TransformersRolloutEngine.from_pretrained(str(tiny_model_dir))
 
 
 def feed(text: IncrementalText, ids: list[int]) -> list[str]:

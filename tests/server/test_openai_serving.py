@@ -14,7 +14,6 @@ openai = pytest.importorskip("openai")
 
 from opentinker.client.cli import main as cli_main  # noqa: E402
 from opentinker.engine.data import chat_prompt_ids  # noqa: E402
-from opentinker.engine.model_loading import eos_token_ids, load_causal_lm, load_tokenizer  # noqa: E402
 from opentinker.engine.rollout.base import SamplingParams  # noqa: E402
 from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine  # noqa: E402
 from opentinker.environments.arithmetic import make_problems  # noqa: E402
@@ -31,9 +30,8 @@ def rows(count: int, seed: int = 1) -> list[dict]:
 
 def answer_from(folder, *, messages=None, prompt=None, max_tokens=24, temperature=0.0, seed=None) -> tuple[str, int]:
     """What the weights in ``folder`` answer, generated here: (text, prompt tokens)."""
-    tokenizer = load_tokenizer(str(folder))
-    engine = TransformersRolloutEngine(load_causal_lm(str(folder)), eos_token_ids(tokenizer, str(folder)),
-                                       tokenizer.pad_token_id, tokenizer=tokenizer)
+    engine = TransformersRolloutEngine.from_pretrained(str(folder))
+    tokenizer = engine.tokenizer
     ids = chat_prompt_ids(tokenizer, messages) if messages else tokenizer(prompt, add_special_tokens=False)["input_ids"]
     completion = engine.generate([ids], SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))[0]
     return tokenizer.decode(completion.token_ids, skip_special_tokens=True), len(ids)
@@ -179,7 +177,8 @@ def test_errors_name_what_is_wrong(live, openai_client, finished_job):
              ({"logprobs": True}, "logprobs"),
              ({"max_tokens": 65}, "max_tokens"),
              ({"temperature": 3}, "temperature"),
-             ({"messages": [{"role": "user", "content": "x" * 4000}]}, "context")]
+             ({"messages": [{"role": "user", "content": "x" * 4000}]}, "context"),
+             ({"messages": [{"role": "user", "content": "x" * 200_001}]}, "content")]
     for extra, word in cases:
         body = {"model": finished_job, "messages": QUESTION, **extra}
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,

@@ -67,6 +67,17 @@ class TransformersRolloutEngine:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self.tokenizer = tokenizer  # only to match stop strings
 
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: torch.device | str = "cpu", trust_remote_code: bool = False,
+                        seed: int = 0) -> TransformersRolloutEngine:
+        """An engine for the model folder ``path``, with its tokenizer (for stop strings) and the
+        end-of-turn ids of its tokenizer and generation config."""
+        from opentinker.engine.model_loading import eos_token_ids, load_causal_lm, load_tokenizer
+
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+        model = load_causal_lm(path, device=device, trust_remote_code=trust_remote_code)
+        return cls(model, eos_token_ids(tokenizer, path), tokenizer.pad_token_id, seed=seed, tokenizer=tokenizer)
+
     # -- weights -------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, weights: WeightSource) -> None:

@@ -42,20 +42,19 @@ class SampleCall:
 
 class TinkerSampler:
     def __init__(self, model_path: str | None, trust_remote_code: bool = False, seed: int = 0, device: str = "auto"):
-        from opentinker.engine.model_loading import (
-            eos_token_ids, load_causal_lm, load_tokenizer, pick_device, resolve_model_path)
+        from opentinker.engine.model_loading import pick_device, resolve_model_path
         from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
+        from opentinker.engine.serving import context_length
 
         model_path = resolve_model_path(model_path)  # None: the embedded tiny model
-        tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
-        model = load_causal_lm(model_path, device=pick_device(device), trust_remote_code=trust_remote_code)
-        self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+        self.engine = TransformersRolloutEngine.from_pretrained(
+            model_path, device=pick_device(device), trust_remote_code=trust_remote_code, seed=seed)
+        model = self.engine.model
+        self.max_length = context_length(self.engine)
         self.vocab_size = int(model.config.vocab_size)
         # The base weights stay at hand so that a base-model request after a snapshot's is
         # served without reading the model folder again.
         self._base = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-        self.engine = TransformersRolloutEngine(model, eos_token_ids(tokenizer, model_path), tokenizer.pad_token_id,
-                                                seed=seed, tokenizer=tokenizer)
         self.loaded = BASE
         self._pending: list[SampleCall] = []
         self._wake = threading.Condition()

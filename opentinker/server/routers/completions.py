@@ -13,7 +13,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -81,16 +81,19 @@ class _Request(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
+MAX_TEXT_CHARS = 200_000  # of a prompt or one message: tokenizing is the server's work, bounded here
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # name, ... : no effect here
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
 
     def as_template_message(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -109,7 +112,7 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str = Field(min_length=1, max_length=200_000)
+    prompt: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
 
 
 def _serving(request: Request) -> ModelServing:
