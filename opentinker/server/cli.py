@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--tinker-max-models", type=int, default=4, help="live training clients per user")
     tinker.add_argument("--tinker-session-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a session without a heartbeat this long ends and its models are unloaded")
+    tinker.add_argument("--tinker-max-pending-sample-tokens", type=int, default=524_288, metavar="TOKENS",
+                        help="per user: num_samples x max_tokens of sampling calls not yet done; past it asample "
+                             "answers 429 (default: %(default)s)")
+    tinker.add_argument("--tinker-sampler-max-rows", type=int, default=128, metavar="ROWS",
+                        help="sequences the sampler decodes in one batch, shared fairly between users "
+                             "(default: %(default)s)")
+    tinker.add_argument("--tinker-sampler-max-tokens", type=int, default=131_072, metavar="TOKENS",
+                        help="prompt + max_tokens of the sampler batch's sequences together: its KV cache bound "
+                             "(default: %(default)s)")
     serving = serve.add_argument_group("serving trained models (/v1/chat/completions, /v1/completions)")
     serving.add_argument("--serve-device", choices=["cpu", "cuda"], default="cpu",
                          help="where saved checkpoints are loaded to answer requests (default: %(default)s)")
@@ -185,6 +194,9 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_ranks=args.tinker_ranks,
             tinker_max_models_per_user=args.tinker_max_models,
             tinker_session_timeout_s=args.tinker_session_timeout,
+            tinker_max_pending_sample_tokens=args.tinker_max_pending_sample_tokens,
+            tinker_sampler_max_rows=args.tinker_sampler_max_rows,
+            tinker_sampler_max_tokens=args.tinker_sampler_max_tokens,
             dashboard_session_s=args.dashboard_session_hours * 3600,
             serve_device=args.serve_device,
             serve_max_models=args.serve_max_models,

@@ -63,6 +63,9 @@ class ServerSettings:
     tinker_session_timeout_s: float = 300.0  # a session without a heartbeat this long ends
     tinker_long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (< the SDK's 45 s)
     tinker_keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
+    tinker_max_pending_sample_tokens: int = 524_288  # per user: num_samples x max_tokens of sampling not yet done
+    tinker_sampler_max_rows: int = 128  # sequences in one sampler batch (shared fairly between users)
+    tinker_sampler_max_tokens: int = 131_072  # prompt + max_tokens of a sampler batch's sequences (its KV bound)
     # Serving trained models (/v1/chat/completions, /v1/completions).
     serve_device: str = "cpu"  # where saved checkpoints are loaded to answer: cpu | cuda (one GPU)
     serve_max_models: int = 2  # checkpoints kept loaded at once (least recently used dropped)
@@ -75,7 +78,8 @@ class ServerSettings:
             setattr(self, name, list(getattr(self, name)))
         for name in ("max_queued_steps", "max_running_jobs_per_user", "max_env_shards", "max_body_bytes",
                      "max_rows_per_step", "max_concurrent_env_checks", "tinker_ranks",
-                     "tinker_max_models_per_user", "tinker_keep_ephemeral", "serve_max_models", "serve_max_tokens"):
+                     "tinker_max_models_per_user", "tinker_keep_ephemeral", "serve_max_models", "serve_max_tokens",
+                     "tinker_max_pending_sample_tokens", "tinker_sampler_max_rows", "tinker_sampler_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_jobs_per_user < 0:
@@ -113,6 +117,12 @@ class ServerSettings:
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
 
+    def sampler_limits(self) -> dict[str, int]:
+        """The Tinker sampler's caps: one batch's, and four batches' worth for every sequence
+        started and not finished (running, or parked while other users or weights have a turn)."""
+        return {"max_rows": self.tinker_sampler_max_rows, "max_batch_tokens": self.tinker_sampler_max_tokens,
+                "max_live_rows": 4 * self.tinker_sampler_max_rows, "max_live_tokens": 4 * self.tinker_sampler_max_tokens}
+
     def tinker_settings(self):
         from opentinker.server.tinker.host import HostSettings
         from opentinker.server.tinker.service import TinkerSettings
@@ -120,5 +130,7 @@ class ServerSettings:
         return TinkerSettings(
             session_timeout_s=self.tinker_session_timeout_s, long_poll_s=self.tinker_long_poll_s,
             keep_ephemeral=self.tinker_keep_ephemeral, max_models_per_user=self.tinker_max_models_per_user,
-            host=HostSettings(strategy=self.tinker_strategy, ranks=self.tinker_ranks),
+            max_pending_sample_tokens=self.tinker_max_pending_sample_tokens,
+            host=HostSettings(strategy=self.tinker_strategy, ranks=self.tinker_ranks,
+                              sampler_limits=self.sampler_limits()),
         )

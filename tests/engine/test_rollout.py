@@ -11,7 +11,8 @@ import torch
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.data import chat_prompt_ids
 from opentinker.engine.rollout import RequestBatcher, SamplingParams
-from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine, _inverse_cdf
+from opentinker.engine.rollout.sampling import inverse_cdf, uniforms
+from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 
 
 @pytest.fixture
@@ -173,7 +174,7 @@ def test_sampler_draws_from_the_distribution(engine):
     and a token with probability zero (filtered to -inf) is never drawn."""
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
     logits = torch.log(probs).expand(20_000, -1).contiguous()  # log(0) = -inf
-    draws = _inverse_cdf(logits, engine._uniforms(list(range(20_000)), [None] * 20_000))
+    draws = inverse_cdf(logits, uniforms([None] * 20_000, engine.shared_generator))
     frequencies = torch.bincount(draws, minlength=5).float() / 20_000
     assert frequencies[1] == 0
     assert torch.allclose(frequencies, probs, atol=0.015)
@@ -277,3 +278,79 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_model, tiny_tokenizer
     engine = TransformersRolloutEngine(tiny_model, [tiny_tokenizer.eos_token_id], tiny_tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
         engine.generate(arithmetic_prompt_ids[:1], SamplingParams(stop=("1",)))
+
+
+# -- rows joining and leaving a running batch (continuous batching) ---------------------
+
+
+def _run(batch, completions: dict) -> None:
+    while len(batch):
+        completions.update(batch.step())
+
+
+def test_rows_that_join_a_running_batch_sample_as_they_would_alone(engine, arithmetic_prompt_ids):
+    """Seeded rows prefilled on their own and absorbed into a batch already 5 steps into its
+    decode (their prompts shorter and longer than its width) give the tokens they give alone,
+    and logprobs within 1e-5; so do the rows that were there first."""
+    from opentinker.engine.rollout.decode_batch import DecodeBatch
+
+    def params(seed, max_tokens):
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+
+    first = [arithmetic_prompt_ids[0], arithmetic_prompt_ids[1]]
+    late = [arithmetic_prompt_ids[2][:4], arithmetic_prompt_ids[3] + arithmetic_prompt_ids[4]]
+    first_params, late_params = [params(1, 20), params(2, 9)], [params(3, 12), params(4, 25)]
+    alone = engine.generate(first + late, first_params + late_params)
+
+    batch = DecodeBatch.prefill(engine, first, first_params, ["a", "b"])
+    got: dict = {}
+    for _ in range(5):
+        got.update(batch.step())
+    batch.absorb(DecodeBatch.prefill(engine, late, late_params, ["c", "d"]))
+    assert len(batch) == 4 and batch.tags == ["a", "b", "c", "d"]
+    _run(batch, got)
+    for tag, want in zip("abcd", alone):
+        assert got[tag].token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got[tag].logprobs), torch.tensor(want.logprobs), atol=1e-5)
+
+
+def test_rows_taken_out_and_put_back_continue_exactly(engine, arithmetic_prompt_ids):
+    """Rows moved to a batch of their own mid-decode (as a scheduler parks them), stepped apart,
+    then absorbed back, end as they would have without the moves (greedy: same tokens)."""
+    from opentinker.engine.rollout.decode_batch import DecodeBatch
+
+    prompts = arithmetic_prompt_ids[:4]
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (16, 30, 8, 22)]
+    straight = engine.generate(prompts, greedy)
+
+    batch = DecodeBatch.prefill(engine, prompts, greedy, [0, 1, 2, 3])
+    got: dict = {}
+    for _ in range(3):
+        got.update(batch.step())
+    parked = batch.take([1, 3])
+    assert batch.tags == [0, 2] and parked.tags == [1, 3]
+    for _ in range(6):
+        got.update(parked.step())
+    batch.absorb(parked)
+    _run(batch, got)
+    for row, want in enumerate(straight):
+        assert got[row].token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got[row].logprobs), torch.tensor(want.logprobs), atol=1e-5)
+
+
+def test_joining_drops_columns_that_are_padding_in_every_row(engine, arithmetic_prompt_ids):
+    """After the long rows leave, a late short row's join does not carry the old width along."""
+    from opentinker.engine.rollout.decode_batch import DecodeBatch
+
+    long_prompt = arithmetic_prompt_ids[0] * 3
+    batch = DecodeBatch.prefill(engine, [long_prompt, arithmetic_prompt_ids[1][:3]],
+                                [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                 SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)], ["long", "short"])
+    for _ in range(3):
+        batch.step()
+    assert batch.tags == ["short"] and batch.width == len(long_prompt) + 3  # a column per forward pass
+    batch.absorb(DecodeBatch.prefill(engine, [arithmetic_prompt_ids[2][:2]],
+                                     [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)], ["late"]))
+    assert batch.width == 3 + 3  # the short row's prompt and the tokens it has so far
+    _run(batch, got := {})
+    assert len(got["short"].token_ids) == 40 and len(got["late"].token_ids) == 5

@@ -112,7 +112,9 @@ class HostSettings:
     strategy: str = "local"  # the backend of every model: local | fsdp
     device: str = "auto"
     ranks: int = 1  # FSDP ranks per model
-    sampler_concurrency: int = 256  # asample calls one sampler actor holds at once
+    # The sampler's batch caps (engine/tinker/sample_scheduler.SchedulerLimits fields); what may
+    # wait for it is bounded per user by the API (TinkerSettings.max_pending_*).
+    sampler_limits: dict[str, float] = field(default_factory=dict)
 
 
 class TinkerHost:
@@ -222,13 +224,19 @@ class TinkerHost:
             self._samplers.pop(base_model, None)  # the next request tries again
             raise
 
+    def started_samplers(self) -> dict[str, Any]:
+        """The sampler actors that are up, by base model name."""
+        return {name: pending.result() for name, pending in self._samplers.items()
+                if pending.done() and not pending.cancelled() and pending.exception() is None}
+
     async def _start_sampler(self, model_path: str, trust_remote_code: bool) -> Any:
         from opentinker.engine.tinker.sampler_worker import TinkerSampler
 
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        actor = ray.remote(TinkerSampler).options(
-            num_cpus=0, num_gpus=gpus, max_concurrency=self.settings.sampler_concurrency,
-        ).remote(model_path, trust_remote_code, 0, self.settings.device)
+        # An async actor: every waiting call is a coroutine, its rows wait in the scheduler (not in
+        # Ray's queue), so no thread count caps how many users are served fairly.
+        actor = ray.remote(TinkerSampler).options(num_cpus=0, num_gpus=gpus, max_concurrency=100_000).remote(
+            model_path, trust_remote_code, 0, self.settings.device, dict(self.settings.sampler_limits))
         await await_ref(actor.ready.remote())
         return actor
 

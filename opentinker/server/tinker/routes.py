@@ -21,8 +21,10 @@ from opentinker.server.auth import authenticate
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
 from opentinker.server.tinker import schemas, wire
+from opentinker.engine.tinker import DEFAULT_MAX_TOKENS
 from opentinker.server.tinker.futures import JSON, PROTOBUF
 from opentinker.server.tinker.host import UserError, await_ref
+from opentinker.server.tinker.sample_budget import OverBudget
 from opentinker.server.tinker.service import CHECKPOINT_KINDS, TinkerService
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow
 
@@ -527,17 +529,26 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
         raise ApiError(429, f"over {svc.settings.max_pending_samples} samples waiting; back off and resubmit",
                        headers={"Retry-After": "1"})
     served = svc.served_model(base_model)
+    params = _engine_params(body.sampling_params)
+    # What the call may generate at most (no max_tokens: the sampler's default, its upper bound).
+    cost = body.num_samples * (params["max_tokens"] or DEFAULT_MAX_TOKENS)
+    try:
+        svc.sample_budget.reserve(user.id, cost)
+    except OverBudget as error:
+        if error.retry:
+            raise ApiError(429, str(error), headers={"Retry-After": "1"}) from None
+        raise _user_error(str(error)) from None
     request_id = uuid.uuid4().hex
     ids = [f"{request_id}:{index}" for index in range(body.num_samples)]
     row, _ = svc.futures.create(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id)
-    call = {"snapshot": snapshot, "prompt": prompt, "params": _engine_params(body.sampling_params),
+    call = {"snapshot": snapshot, "prompt": prompt, "params": params, "user": user.id,
             "num_samples": body.num_samples, "prompt_logprobs": bool(body.prompt_logprobs),
             "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n}
-    svc.spawn(_sample(svc, served, call, request_id))
+    svc.spawn(_sample(svc, served, call, request_id, cost))
     return row.submit_answer()
 
 
-async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str) -> None:
+async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str, cost: int) -> None:
     from opentinker.server.tinker.host import failure
 
     try:
@@ -546,6 +557,8 @@ async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request
     except Exception as error:
         svc.futures.fail(request_id, *failure(error))
         return
+    finally:
+        svc.sample_budget.release(call["user"], cost)
     sequences = [wire.SampledSequence(tokens, logprobs, reason) for tokens, logprobs, reason in result["sequences"]]
     svc.futures.resolve(request_id, wire.encode_sample_response(
         sequences, result.get("prompt_logprobs"), result.get("topk_prompt")), PROTOBUF)

@@ -20,6 +20,7 @@ from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.store import Store
 from opentinker.server.tinker.futures import FutureTable
 from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
+from opentinker.server.tinker.sample_budget import SampleBudget
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, TinkerState
 
 log = logging.getLogger("opentinker.server.tinker")
@@ -34,6 +35,7 @@ class TinkerSettings:
     keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
     max_models_per_user: int = 4  # live models (each one a worker holding a copy of its weights)
     max_pending_samples: int = 1024  # per user; past it asample answers 429 (the SDK backs off)
+    max_pending_sample_tokens: int = 524_288  # per user: num_samples x max_tokens of calls not done (429 past it)
     future_ttl_s: float = 3600.0  # finished futures are forgotten after this long
     housekeeping_s: float = 10.0
     host: HostSettings = None  # type: ignore[assignment]
@@ -61,6 +63,7 @@ class TinkerService:
         self.settings = settings
         self._housekeeping: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()  # background sampling, kept referenced until done
+        self.sample_budget = SampleBudget(settings.max_pending_sample_tokens)
 
     async def start(self) -> None:
         lost = self.state.mark_models_lost("the server restarted; create the model again from a checkpoint "

@@ -1,0 +1,240 @@
+"""Rows decoded together by one model, which can take new rows between decode steps.
+
+A :class:`DecodeBatch` holds, for each row, its KV cache, the logits of its next token, the
+tokens it generated so far and its sampling settings. :meth:`DecodeBatch.step` picks every
+row's next token, hands back the rows that finished, and runs one forward pass for the rest.
+Between steps a batch can take in another batch's rows (:meth:`absorb`: continuous batching,
+the new rows' prompts prefilled on their own first) or give some of its rows away
+(:meth:`take`), both exactly: a row's numbers do not depend on which rows it shares a batch
+with, beyond the float rounding of the padded attention.
+
+Rows share the cache's columns: prompts are left-padded so that every row's newest token is in
+the last column, and each step appends one column for every row. A row that joins later has
+padding to the left of its prompt, masked out; :meth:`absorb` drops columns that are padding in
+every row, so the width stays within the longest row's length plus the steps since the last join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from opentinker.engine.rollout.base import Completion, SamplingParams
+from opentinker.engine.rollout.kv_cache import can_restack, in_place_cache, stack_rows
+from opentinker.engine.rollout.sampling import RowSettings, next_tokens
+
+#: ``on_tokens(tags, tokens)``: each decode step's new token of every row still generating.
+TokenCallback = Callable[[list[Hashable], list[int]], None]
+
+
+class DecodeBatch:
+    """See the module docstring. Build one with :meth:`prefill`; ``engine`` supplies the model,
+    the end-of-sequence and pad ids, the tokenizer (for stop strings) and the shared generator."""
+
+    def __init__(self, engine: Any, cache: Any, logits: torch.Tensor, mask: torch.Tensor, position: torch.Tensor,
+                 settings: RowSettings, tokens: torch.Tensor, logprobs: torch.Tensor, generated: torch.Tensor,
+                 tags: list[Hashable], prompt_lengths: list[int], stop_texts: list[tuple[str, ...]]):
+        self.engine = engine
+        self.cache = cache
+        self.logits = logits  # [rows, vocab]: each row's next-token logits
+        self.mask = mask  # [rows, capacity]: 1 = a real token; the columns past the cache's are all 1
+        self.position = position  # [rows]: the position id of each row's next token
+        self.settings = settings
+        self.tokens = tokens  # [rows, most max_tokens]: generated so far (generated[r] of them)
+        self.logprobs = logprobs
+        self.generated = generated  # [rows]
+        self.tags = tags
+        self.prompt_lengths = prompt_lengths
+        self.stop_texts = stop_texts
+
+    # -- building ----------------------------------------------------------------------
+    @classmethod
+    @torch.no_grad()
+    def prefill(cls, engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                tags: Sequence[Hashable]) -> DecodeBatch:
+        """New rows: each distinct prompt is run once (GRPO repeats every prompt n times) and its
+        cache copied to the rows that share it."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        stop_texts = [tuple(p.stop) for p in params]
+        if any(stop_texts) and engine.tokenizer is None:
+            raise ValueError("generate: stop strings need the engine's tokenizer (TransformersRolloutEngine(tokenizer=...))")
+        device = engine.device
+        group_of: dict[tuple[int, ...], int] = {}
+        group_of_row = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in prompts])
+        distinct = list(group_of)
+        width = max(len(p) for p in distinct)
+        input_ids = torch.full((len(distinct), width), engine.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            prompt_mask[row, width - len(prompt):] = 1
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        new_tokens = max(p.max_tokens for p in params)
+        cache = in_place_cache(engine.model.config, width + new_tokens)
+        out = engine.model(input_ids=input_ids.to(device), attention_mask=prompt_mask.to(device),
+                           position_ids=position_ids.to(device), past_key_values=cache, use_cache=True,
+                           logits_to_keep=1)
+        logits = out.logits[:, -1, :]
+        if len(distinct) < len(prompts):
+            cache.batch_select_indices(group_of_row.to(device))
+            logits = logits[group_of_row.to(device)]
+        # Columns past the prompt are every generated token's: a step's mask is a prefix of it.
+        mask = torch.cat([prompt_mask[group_of_row], prompt_mask.new_ones((len(prompts), new_tokens))], -1)
+        rows = len(prompts)
+        return cls(engine, cache, logits, mask.to(device), (position_ids[group_of_row, -1] + 1).to(device),
+                   RowSettings.of(params, engine.eos_token_ids, device),
+                   torch.zeros((rows, new_tokens), dtype=torch.long, device=device),
+                   torch.zeros((rows, new_tokens), dtype=torch.float32, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device), list(tags), [len(p) for p in prompts],
+                   stop_texts)
+
+    def __len__(self) -> int:
+        return len(self.tags)
+
+    @property
+    def width(self) -> int:
+        """Columns in the cache now."""
+        return self.cache.get_seq_length()
+
+    def remaining(self) -> torch.Tensor:
+        """[rows]: the most tokens each row may still generate."""
+        return self.settings.max_tokens - self.generated
+
+    # -- decoding ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, on_tokens: TokenCallback | None = None) -> list[tuple[Hashable, Completion]]:
+        """Picks every row's next token; returns ``(tag, completion)`` of the rows that ended
+        (they leave the batch), then runs the forward pass that gives the others' next logits."""
+        settings = self.settings
+        chosen, chosen_logprobs = next_tokens(self.logits, settings, self.engine.shared_generator)
+        rows = torch.arange(len(self), device=chosen.device)
+        self.tokens[rows, self.generated] = chosen
+        self.logprobs[rows, self.generated] = chosen_logprobs
+        if on_tokens is not None:
+            on_tokens(list(self.tags), chosen.tolist())
+        self.generated += 1
+        hit_stop = settings.is_stop(chosen)
+        if any(self.stop_texts):
+            hit_stop |= self._spelled_a_stop()
+        done = hit_stop | (self.generated >= settings.max_tokens)
+        finished: list[tuple[Hashable, Completion]] = []
+        if bool(done.any()):  # one host sync per step
+            finished = self._completions(done.nonzero().squeeze(-1), hit_stop)
+            keep = (~done).nonzero().squeeze(-1)
+            self._select(keep)
+            if len(keep) == 0:
+                return finished
+            chosen = chosen[keep]
+        width = self.width
+        self.logits = self.engine.model(
+            input_ids=chosen.unsqueeze(-1),
+            attention_mask=self.mask[:, :width + 1],
+            position_ids=self.position.unsqueeze(-1),
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1, :]
+        self.position = self.position + 1
+        return finished
+
+    def _completions(self, rows: torch.Tensor, hit_stop: torch.Tensor) -> list[tuple[Hashable, Completion]]:
+        index = rows.tolist()
+        counts = self.generated[rows].tolist()
+        stopped = hit_stop[rows].tolist()
+        tokens, logprobs = self.tokens[rows].tolist(), self.logprobs[rows].tolist()
+        return [(self.tags[row], Completion(tokens[i][:n], logprobs[i][:n], "stop" if s else "length"))
+                for i, (row, n, s) in enumerate(zip(index, counts, stopped))]
+
+    def _spelled_a_stop(self) -> torch.Tensor:
+        """Which rows have text so far (special tokens left out, as vLLM does) that contains one
+        of their stop strings."""
+        hits = torch.zeros(len(self), dtype=torch.bool, device=self.tokens.device)
+        counts = self.generated.tolist()
+        for row, stops in enumerate(self.stop_texts):
+            if stops:
+                text = self.engine.tokenizer.decode(self.tokens[row, :counts[row]].tolist(), skip_special_tokens=True)
+                hits[row] = any(stop in text for stop in stops)
+        return hits
+
+    # -- moving rows ---------------------------------------------------------------------
+    def _select(self, keep: torch.Tensor) -> None:
+        """Keeps only rows ``keep`` (in that order)."""
+        self.cache.batch_select_indices(keep)
+        self.logits, self.mask, self.position = self.logits[keep], self.mask[keep], self.position[keep]
+        self.tokens, self.logprobs, self.generated = self.tokens[keep], self.logprobs[keep], self.generated[keep]
+        self.settings = self.settings.select(keep)
+        index = keep.tolist()
+        self.tags = [self.tags[i] for i in index]
+        self.prompt_lengths = [self.prompt_lengths[i] for i in index]
+        self.stop_texts = [self.stop_texts[i] for i in index]
+
+    def _first_column(self, rows: torch.Tensor | None = None) -> int:
+        """The first column that is not padding in every one of ``rows`` (None: all)."""
+        mask = self.mask[:, :self.width] if rows is None else self.mask[rows, :self.width]
+        used = mask.any(0).nonzero()
+        return int(used[0]) if len(used) else self.width
+
+    def take(self, rows: Sequence[int]) -> DecodeBatch:
+        """Removes ``rows`` from this batch and returns them as a batch of their own."""
+        if not can_restack(self.cache):
+            raise NotImplementedError("this model's cache layers cannot be split (not all full attention)")
+        device = self.logits.device
+        taken = torch.tensor(sorted(rows), dtype=torch.long, device=device)
+        kept = torch.tensor(sorted(set(range(len(self))) - set(rows)), dtype=torch.long, device=device)
+        part = self._parts([(self, taken)])
+        self._select(kept)
+        return part
+
+    def absorb(self, other: DecodeBatch) -> None:
+        """Takes every row of ``other`` (whose rows are then this batch's last)."""
+        if not (can_restack(self.cache) and can_restack(other.cache)):
+            raise NotImplementedError("this model's cache layers cannot be joined (not all full attention)")
+        joined = self._parts([(self, None), (other, None)])
+        self.__dict__.update(joined.__dict__)
+
+    def _parts(self, parts: list[tuple[DecodeBatch, torch.Tensor | None]]) -> DecodeBatch:
+        """A new batch of the given rows of the given batches, padding columns dropped."""
+        starts = [batch._first_column(rows) for batch, rows in parts]
+        spans = [batch.width - start for (batch, _), start in zip(parts, starts)]
+        width = max(spans)
+        remaining = max(int((batch.remaining() if rows is None else batch.remaining()[rows]).max())
+                        for batch, rows in parts)
+        capacity = width + remaining
+        cache = stack_rows(self.engine.model.config, [(batch.cache, rows, start)
+                                                      for (batch, rows), start in zip(parts, starts)], capacity)
+        device = self.logits.device
+
+        def rows_of(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+            return tensor if rows is None else tensor[rows]
+
+        masks = []
+        for (batch, rows), start, span in zip(parts, starts, spans):
+            mask = torch.ones((len(batch) if rows is None else len(rows), capacity), dtype=batch.mask.dtype,
+                              device=device)
+            mask[:, :width - span] = 0
+            mask[:, width - span:width] = rows_of(batch.mask, rows)[:, start:start + span]
+            masks.append(mask)
+        most = max(batch.tokens.shape[1] for batch, _ in parts)
+
+        def padded(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(tensor, (0, most - tensor.shape[1]))
+
+        def listed(values: list, rows: torch.Tensor | None) -> list:
+            return list(values) if rows is None else [values[i] for i in rows.tolist()]
+
+        return DecodeBatch(
+            self.engine, cache,
+            torch.cat([rows_of(batch.logits, rows) for batch, rows in parts]),
+            torch.cat(masks),
+            torch.cat([rows_of(batch.position, rows) for batch, rows in parts]),
+            RowSettings.concat([batch.settings if rows is None else batch.settings.select(rows)
+                                for batch, rows in parts]),
+            torch.cat([padded(rows_of(batch.tokens, rows)) for batch, rows in parts]),
+            torch.cat([padded(rows_of(batch.logprobs, rows)) for batch, rows in parts]),
+            torch.cat([rows_of(batch.generated, rows) for batch, rows in parts]),
+            [tag for batch, rows in parts for tag in listed(batch.tags, rows)],
+            [n for batch, rows in parts for n in listed(batch.prompt_lengths, rows)],
+            [s for batch, rows in parts for s in listed(batch.stop_texts, rows)],
+        )
