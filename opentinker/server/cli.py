@@ -84,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--tinker-max-pending-sample-tokens", type=int, default=524_288, metavar="TOKENS",
                         help="per user: num_samples x max_tokens of sampling calls not yet done; past it asample "
                              "answers 429 (default: %(default)s)")
-    tinker.add_argument("--tinker-sampler-max-rows", type=int, default=128, metavar="ROWS",
-                        help="sequences the sampler decodes in one batch, shared fairly between users "
-                             "(default: %(default)s)")
-    tinker.add_argument("--tinker-sampler-max-tokens", type=int, default=131_072, metavar="TOKENS",
-                        help="prompt + max_tokens of the sampler batch's sequences together: its KV cache bound "
-                             "(default: %(default)s)")
+    tinker.add_argument("--tinker-sampler-max-rows", type=int, default=64, metavar="ROWS",
+                        help="sequences the sampler decodes in one forward pass (default: %(default)s)")
+    tinker.add_argument("--tinker-sampler-max-tokens", type=int, default=16_384, metavar="TOKENS",
+                        help="prompt + max_tokens of one forward pass's sequences together: what bounds its "
+                             "cost, so how long another user waits for it, and its KV cache; a user may have "
+                             "twice that decoding, everyone together eight times (default: %(default)s)")
     serving = serve.add_argument_group("serving trained models (/v1/chat/completions, /v1/completions)")
     serving.add_argument("--serve-device", choices=["cpu", "cuda"], default="cpu",
                          help="where saved checkpoints are loaded to answer requests (default: %(default)s)")

@@ -64,8 +64,8 @@ class ServerSettings:
     tinker_long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (< the SDK's 45 s)
     tinker_keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
     tinker_max_pending_sample_tokens: int = 524_288  # per user: num_samples x max_tokens of sampling not yet done
-    tinker_sampler_max_rows: int = 128  # sequences in one sampler batch (shared fairly between users)
-    tinker_sampler_max_tokens: int = 131_072  # prompt + max_tokens of a sampler batch's sequences (its KV bound)
+    tinker_sampler_max_rows: int = 64  # sequences the sampler decodes in one forward pass
+    tinker_sampler_max_tokens: int = 16_384  # prompt + max_tokens of one forward's sequences: its cost and KV bound
     # Serving trained models (/v1/chat/completions, /v1/completions).
     serve_device: str = "cpu"  # where saved checkpoints are loaded to answer: cpu | cuda (one GPU)
     serve_max_models: int = 2  # checkpoints kept loaded at once (least recently used dropped)
@@ -118,10 +118,11 @@ class ServerSettings:
         return self.data_dir / "jobs" / job_id
 
     def sampler_limits(self) -> dict[str, int]:
-        """The Tinker sampler's caps: one batch's, and four batches' worth for every sequence
-        started and not finished (running, or parked while other users or weights have a turn)."""
-        return {"max_rows": self.tinker_sampler_max_rows, "max_batch_tokens": self.tinker_sampler_max_tokens,
-                "max_live_rows": 4 * self.tinker_sampler_max_rows, "max_live_tokens": 4 * self.tinker_sampler_max_tokens}
+        """The Tinker sampler's caps (``SchedulerLimits``): one forward pass's; two passes' worth
+        of sequences started and not finished per user, and eight passes' worth for everyone."""
+        rows, tokens = self.tinker_sampler_max_rows, self.tinker_sampler_max_tokens
+        return {"max_rows": rows, "max_batch_tokens": tokens, "max_user_tokens": 2 * tokens,
+                "max_live_rows": 8 * rows, "max_live_tokens": 8 * tokens}
 
     def tinker_settings(self):
         from opentinker.server.tinker.host import HostSettings

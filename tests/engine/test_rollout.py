@@ -314,30 +314,6 @@ def test_rows_that_join_a_running_batch_sample_as_they_would_alone(engine, arith
         assert torch.allclose(torch.tensor(got[tag].logprobs), torch.tensor(want.logprobs), atol=1e-5)
 
 
-def test_rows_taken_out_and_put_back_continue_exactly(engine, arithmetic_prompt_ids):
-    """Rows moved to a batch of their own mid-decode (as a scheduler parks them), stepped apart,
-    then absorbed back, end as they would have without the moves (greedy: same tokens)."""
-    from opentinker.engine.rollout.decode_batch import DecodeBatch
-
-    prompts = arithmetic_prompt_ids[:4]
-    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (16, 30, 8, 22)]
-    straight = engine.generate(prompts, greedy)
-
-    batch = DecodeBatch.prefill(engine, prompts, greedy, [0, 1, 2, 3])
-    got: dict = {}
-    for _ in range(3):
-        got.update(batch.step())
-    parked = batch.take([1, 3])
-    assert batch.tags == [0, 2] and parked.tags == [1, 3]
-    for _ in range(6):
-        got.update(parked.step())
-    batch.absorb(parked)
-    _run(batch, got)
-    for row, want in enumerate(straight):
-        assert got[row].token_ids == want.token_ids
-        assert torch.allclose(torch.tensor(got[row].logprobs), torch.tensor(want.logprobs), atol=1e-5)
-
-
 def test_joining_drops_columns_that_are_padding_in_every_row(engine, arithmetic_prompt_ids):
     """After the long rows leave, a late short row's join does not carry the old width along."""
     from opentinker.engine.rollout.decode_batch import DecodeBatch

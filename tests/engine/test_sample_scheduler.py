@@ -1,5 +1,6 @@
-"""The Tinker sampler's scheduler on the real tiny model: requests join a running batch, users
-share its rows fairly, weights switch between snapshots, and nothing grows past its caps."""
+"""The Tinker sampler's scheduler on the real tiny model: requests join running batches, users
+are served by service time (a small request never waits for a big one), weights switch
+between snapshots, and nothing grows past its caps."""
 
 from __future__ import annotations
 
@@ -8,16 +9,7 @@ import torch
 
 from opentinker.engine.rollout.base import SamplingParams
 from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
-from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits, fair_shares
-
-
-def test_fair_shares_split_what_is_left_evenly():
-    assert fair_shares({"a": 1000, "b": 1}, 64) == {"a": 63, "b": 1}
-    assert fair_shares({"a": 1000, "b": 1000, "c": 5}, 64) == {"a": 30, "b": 29, "c": 5}
-    assert fair_shares({"a": 3, "b": 4}, 64) == {"a": 3, "b": 4}
-    assert fair_shares({"a": 10, "b": 10, "c": 10}, 2) == {"a": 1, "b": 1, "c": 0}
-    assert fair_shares({"a": 0, "b": 7}, 4) == {"a": 0, "b": 4}
-    assert sum(fair_shares({k: 100 for k in range(7)}, 64).values()) == 64
+from opentinker.engine.tinker.sample_scheduler import SHARED, LaneKey, SampleScheduler, SampleWork, SchedulerLimits
 
 
 @pytest.fixture
@@ -27,8 +19,9 @@ def engine(tiny_model, tiny_tokenizer):
 
 
 class Harness:
-    """A scheduler driven step by step on this thread, with a clock of decode steps, and two
-    snapshots: the base weights ("") and the same model with its weights scaled ("other")."""
+    """A scheduler driven step by step on this thread, with a clock that advances 0.01 s per
+    decode step (so every step costs the same service time), and two snapshots: the base
+    weights ("") and the same model with its weights scaled ("other")."""
 
     def __init__(self, engine, **limits):
         self.engine = engine
@@ -66,8 +59,8 @@ class Harness:
                 return
             if not self.scheduler.run_once():
                 return
-            running = self.scheduler.running
-            self.peak_rows = max(self.peak_rows, len(running or ()))
+            lanes = self.scheduler.lanes.values()
+            self.peak_rows = max([self.peak_rows, *map(len, lanes)])
             self.peak_live = max(self.peak_live, self.scheduler.live_rows)
         raise AssertionError("the scheduler did not finish")
 
@@ -90,18 +83,18 @@ def alone(engine, prompt, samples, max_tokens, seed=0):
 
 
 def test_a_small_request_does_not_wait_behind_a_huge_one(engine, arithmetic_prompt_ids):
-    """User A asks for 96 samples of 120 tokens with room for 16 rows; user B's 2-token request,
-    arriving mid-way, is done within a few decode steps, and A's samples carry the model's own
-    logprobs (their rows were parked and brought back with their caches)."""
-    h = Harness(engine, max_rows=16)
+    """User A asks for 96 samples of 120 tokens with room for 16 rows a lane; user B's 2-token
+    request, arriving mid-way, is done within a few decode steps (it alternates with A's lane at
+    worst), and A's samples carry the model's own logprobs."""
+    h = Harness(engine, max_rows=16, max_user_tokens=10**6)
     a_prompt, b_prompt = arithmetic_prompt_ids[0], arithmetic_prompt_ids[1]
     h.submit("a", "alice", a_prompt, 96, 120, seed=100)
     h.run(until=lambda: h.scheduler.steps >= 30)
-    assert h.peak_rows == 16 and h.scheduler.live_rows == 16  # one batch's worth admitted, the rest waits
+    assert list(h.scheduler.lanes) == [LaneKey("", "alice")] and h.scheduler.live_rows == 16
     submitted_at = h.scheduler.steps
     h.submit("b", "bob", b_prompt, 1, 2, seed=7)
     h.run(until=lambda: "b" in h.done)
-    assert h.finished_at["b"] - submitted_at <= 3
+    assert h.finished_at["b"] - submitted_at <= 4
     completions, _ = h.done["b"]
     assert completions[0].token_ids == alone(engine, b_prompt, 1, 2, seed=7)[0].token_ids
     h.run()
@@ -113,41 +106,58 @@ def test_a_small_request_does_not_wait_behind_a_huge_one(engine, arithmetic_prom
     # token may differ only where float rounding between batch shapes flips a near tie.
     want = alone(engine, a_prompt, 96, 120, seed=100)
     assert sum(mine.token_ids == theirs.token_ids for mine, theirs in zip(got, want)) >= 94
-    assert h.scheduler.live_rows == 0 and h.scheduler.live_tokens == 0 and not h.scheduler.works
-    assert h.scheduler.waiting_samples == 0
+    scheduler = h.scheduler
+    assert scheduler.live_rows == scheduler.live_tokens == scheduler.waiting_samples == 0
+    assert not scheduler.works and not scheduler.lanes
 
 
-def test_users_share_the_rows_evenly(engine, arithmetic_prompt_ids):
-    """Two users with more work than the batch holds get half the rows each, whoever came first."""
-    h = Harness(engine, max_rows=8)
+def test_busy_users_get_equal_service(engine, arithmetic_prompt_ids):
+    """Two users with more work than a lane holds, the second arriving later: each has a lane of
+    their own and they take turns (equal service time), whoever came first."""
+    h = Harness(engine, max_rows=8, max_user_tokens=10**6)
     h.submit("a", "alice", arithmetic_prompt_ids[0], 40, 30)
-    h.run(until=lambda: h.scheduler.steps >= 3)
+    h.run(until=lambda: h.scheduler.steps >= 20)
     h.submit("b", "bob", arithmetic_prompt_ids[1], 40, 30)
-    h.run(until=lambda: h.scheduler.steps >= 6)
-    users = [h.scheduler.works[work_id].user for work_id, _ in h.scheduler.running.tags]
-    assert sorted(users) == ["alice"] * 4 + ["bob"] * 4
+    h.run(until=lambda: h.scheduler.steps >= 60)
+    served = {user: state.served_s for user, state in h.scheduler.users.items()}
+    assert abs(served["alice"] - served["bob"]) <= 0.011  # one step apart at most
+    assert {key.owner for key in h.scheduler.lanes} == {"alice", "bob"}
     h.run()
     assert set(h.done) == {"a", "b"}
 
 
-def test_token_caps_bound_the_batch(engine, arithmetic_prompt_ids):
-    """Rows reserve prompt + max_tokens; the batch and the live set stay within their token caps."""
+def test_light_users_share_one_lane(engine, arithmetic_prompt_ids):
+    """Three users with a couple of samples each are decoded in one batch, not three."""
+    h = Harness(engine, max_rows=16)
+    for index, user in enumerate(("ann", "ben", "cat")):
+        h.submit(user, user, arithmetic_prompt_ids[index], 2, 20)
+    h.run(until=lambda: h.scheduler.steps >= 1)
+    assert list(h.scheduler.lanes) == [LaneKey("", SHARED)] and len(h.scheduler.lanes[LaneKey("", SHARED)]) == 6
+    h.run()
+    assert set(h.done) == {"ann", "ben", "cat"} and h.scheduler.steps == 20
+
+
+def test_token_caps_bound_lanes_users_and_the_live_set(engine, arithmetic_prompt_ids):
+    """Rows reserve prompt + max_tokens; a lane, a user and all live rows stay within their caps."""
     prompt = arithmetic_prompt_ids[0]
     cost = len(prompt) + 50
-    h = Harness(engine, max_rows=64, max_batch_tokens=5 * cost, max_live_tokens=6 * cost)
+    h = Harness(engine, max_rows=64, max_batch_tokens=5 * cost, max_user_tokens=7 * cost, max_live_tokens=9 * cost)
     h.submit("a", "alice", prompt, 12, 50)
     h.run(until=lambda: h.scheduler.steps >= 2)
-    assert len(h.scheduler.running) == 5 and h.scheduler.live_tokens == 5 * cost
+    assert len(h.scheduler.lanes[LaneKey("", "alice")]) == 5 and h.scheduler.live_tokens == 5 * cost
+    h.submit("b", "bob", prompt, 12, 50)
+    h.run(until=lambda: h.scheduler.steps >= 6)
+    assert h.scheduler.live_tokens <= 9 * cost and h.scheduler.users["bob"].live_tokens <= 7 * cost
     h.run()
-    assert h.peak_rows == 5 and len(h.done["a"][0]) == 12
+    assert h.peak_rows == 5 and len(h.done["a"][0]) == len(h.done["b"][0]) == 12
 
 
 def test_another_snapshot_gets_the_model_after_a_slice(engine, arithmetic_prompt_ids):
-    """Alice samples the base weights for long; Bob's request for another snapshot is served after
-    one slice (10 steps here), and each gets its own weights' logprobs."""
-    h = Harness(engine, max_rows=8, slice_s=0.1)
+    """Alice samples the base weights for long; Bob's request for another snapshot waits at most
+    ``switch_after_s`` of Alice's service (10 steps here), and each gets its own weights' logprobs."""
+    h = Harness(engine, max_rows=8, switch_after_s=0.1)
     prompt = arithmetic_prompt_ids[0]
-    h.submit("a", "alice", prompt, 8, 80, seed=1)
+    h.submit("a", "alice", prompt, 16, 80, seed=1)
     h.run(until=lambda: h.scheduler.steps >= 5)
     submitted_at = h.scheduler.steps
     h.submit("b", "bob", prompt, 2, 3, snapshot="other", seed=9)

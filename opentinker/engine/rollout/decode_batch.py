@@ -4,9 +4,8 @@ A :class:`DecodeBatch` holds, for each row, its KV cache, the logits of its next
 tokens it generated so far and its sampling settings. :meth:`DecodeBatch.step` picks every
 row's next token, hands back the rows that finished, and runs one forward pass for the rest.
 Between steps a batch can take in another batch's rows (:meth:`absorb`: continuous batching,
-the new rows' prompts prefilled on their own first) or give some of its rows away
-(:meth:`take`), both exactly: a row's numbers do not depend on which rows it shares a batch
-with, beyond the float rounding of the padded attention.
+the new rows' prompts prefilled on their own first), exactly: a row's numbers do not depend on
+which rows it shares a batch with, beyond the float rounding of the padded attention.
 
 Rows share the cache's columns: prompts are left-padded so that every row's newest token is in
 the last column, and each step appends one column for every row. A row that joins later has
@@ -170,71 +169,42 @@ class DecodeBatch:
         self.prompt_lengths = [self.prompt_lengths[i] for i in index]
         self.stop_texts = [self.stop_texts[i] for i in index]
 
-    def _first_column(self, rows: torch.Tensor | None = None) -> int:
-        """The first column that is not padding in every one of ``rows`` (None: all)."""
-        mask = self.mask[:, :self.width] if rows is None else self.mask[rows, :self.width]
-        used = mask.any(0).nonzero()
+    def _first_column(self) -> int:
+        """The first column that is not padding in every row."""
+        used = self.mask[:, :self.width].any(0).nonzero()
         return int(used[0]) if len(used) else self.width
 
-    def take(self, rows: Sequence[int]) -> DecodeBatch:
-        """Removes ``rows`` from this batch and returns them as a batch of their own."""
-        if not can_restack(self.cache):
-            raise NotImplementedError("this model's cache layers cannot be split (not all full attention)")
-        device = self.logits.device
-        taken = torch.tensor(sorted(rows), dtype=torch.long, device=device)
-        kept = torch.tensor(sorted(set(range(len(self))) - set(rows)), dtype=torch.long, device=device)
-        part = self._parts([(self, taken)])
-        self._select(kept)
-        return part
-
     def absorb(self, other: DecodeBatch) -> None:
-        """Takes every row of ``other`` (whose rows are then this batch's last)."""
+        """Takes every row of ``other`` (whose rows are then this batch's last). Both batches'
+        columns are right-aligned; columns that are padding in every row are dropped."""
         if not (can_restack(self.cache) and can_restack(other.cache)):
             raise NotImplementedError("this model's cache layers cannot be joined (not all full attention)")
-        joined = self._parts([(self, None), (other, None)])
-        self.__dict__.update(joined.__dict__)
-
-    def _parts(self, parts: list[tuple[DecodeBatch, torch.Tensor | None]]) -> DecodeBatch:
-        """A new batch of the given rows of the given batches, padding columns dropped."""
-        starts = [batch._first_column(rows) for batch, rows in parts]
-        spans = [batch.width - start for (batch, _), start in zip(parts, starts)]
+        parts = [self, other]
+        starts = [batch._first_column() for batch in parts]
+        spans = [batch.width - start for batch, start in zip(parts, starts)]
         width = max(spans)
-        remaining = max(int((batch.remaining() if rows is None else batch.remaining()[rows]).max())
-                        for batch, rows in parts)
-        capacity = width + remaining
-        cache = stack_rows(self.engine.model.config, [(batch.cache, rows, start)
-                                                      for (batch, rows), start in zip(parts, starts)], capacity)
-        device = self.logits.device
-
-        def rows_of(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-            return tensor if rows is None else tensor[rows]
-
+        capacity = width + max(int(batch.remaining().max()) for batch in parts)
+        cache = stack_rows(self.engine.model.config, [(batch.cache, start) for batch, start in zip(parts, starts)],
+                           capacity)
         masks = []
-        for (batch, rows), start, span in zip(parts, starts, spans):
-            mask = torch.ones((len(batch) if rows is None else len(rows), capacity), dtype=batch.mask.dtype,
-                              device=device)
+        for batch, start, span in zip(parts, starts, spans):
+            mask = batch.mask.new_ones((len(batch), capacity))
             mask[:, :width - span] = 0
-            mask[:, width - span:width] = rows_of(batch.mask, rows)[:, start:start + span]
+            mask[:, width - span:width] = batch.mask[:, start:start + span]
             masks.append(mask)
-        most = max(batch.tokens.shape[1] for batch, _ in parts)
+        most = max(batch.tokens.shape[1] for batch in parts)
 
         def padded(tensor: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(tensor, (0, most - tensor.shape[1]))
 
-        def listed(values: list, rows: torch.Tensor | None) -> list:
-            return list(values) if rows is None else [values[i] for i in rows.tolist()]
-
-        return DecodeBatch(
-            self.engine, cache,
-            torch.cat([rows_of(batch.logits, rows) for batch, rows in parts]),
-            torch.cat(masks),
-            torch.cat([rows_of(batch.position, rows) for batch, rows in parts]),
-            RowSettings.concat([batch.settings if rows is None else batch.settings.select(rows)
-                                for batch, rows in parts]),
-            torch.cat([padded(rows_of(batch.tokens, rows)) for batch, rows in parts]),
-            torch.cat([padded(rows_of(batch.logprobs, rows)) for batch, rows in parts]),
-            torch.cat([rows_of(batch.generated, rows) for batch, rows in parts]),
-            [tag for batch, rows in parts for tag in listed(batch.tags, rows)],
-            [n for batch, rows in parts for n in listed(batch.prompt_lengths, rows)],
-            [s for batch, rows in parts for s in listed(batch.stop_texts, rows)],
-        )
+        self.cache = cache
+        self.mask = torch.cat(masks)
+        self.logits = torch.cat([batch.logits for batch in parts])
+        self.position = torch.cat([batch.position for batch in parts])
+        self.settings = RowSettings.concat([batch.settings for batch in parts])
+        self.tokens = torch.cat([padded(batch.tokens) for batch in parts])
+        self.logprobs = torch.cat([padded(batch.logprobs) for batch in parts])
+        self.generated = torch.cat([batch.generated for batch in parts])
+        self.tags = self.tags + other.tags
+        self.prompt_lengths = self.prompt_lengths + other.prompt_lengths
+        self.stop_texts = self.stop_texts + other.stop_texts

@@ -106,41 +106,38 @@ def can_restack(cache: DynamicCache) -> bool:
                                       for layer in cache.layers)
 
 
-def stack_rows(config: PreTrainedConfig, parts: list[tuple[DynamicCache, torch.Tensor | None, int]],
-               capacity: int) -> DynamicCache:
+def stack_rows(config: PreTrainedConfig, parts: list[tuple[DynamicCache, int]], capacity: int) -> DynamicCache:
     """A new cache holding the rows of several caches, one part after another.
 
-    A part is ``(cache, rows, start)``: the cache's ``rows`` (None: all), from column ``start``
-    on (the columns before it are padding in every one of those rows). Each part's filled
-    columns are right-aligned, so that every row's newest token is in the last column; the new
-    length is the longest part's, and the columns to the left of a shorter part are left as
-    they are (the caller's attention mask must exclude them). Buffers hold ``capacity`` columns.
+    A part is ``(cache, start)``: its rows from column ``start`` on (the columns before it are
+    padding in every row). Each part's filled columns are right-aligned, so that every row's
+    newest token is in the last column; the new length is the longest part's, and the columns
+    to the left of a shorter part are zeros (the caller's attention mask must exclude them).
+    Buffers hold ``capacity`` columns.
     """
-    spans = [(cache, rows, start, cache.layers[0].length - start) for cache, rows, start in parts]
-    length = max(span for *_, span in spans)
+    spans = [cache.layers[0].length - start for cache, start in parts]
+    length = max(spans)
     if length > capacity:
         raise ValueError(f"stack_rows: capacity {capacity} is below the stacked length {length}")
     merged = in_place_cache(config, capacity)
     layer_count = len(parts[0][0].layers)
     if not merged.layers:  # the config lists no layers: they are made lazily, so make them here
         merged.layers = [InPlaceLayer(capacity) for _ in range(layer_count)]
+    batch = sum(len(cache.layers[0]._keys) for cache, _ in parts)
     for index in range(layer_count):
-        sources = [cache.layers[index] for cache, *_ in parts]
-        first = sources[0]
-        batch = sum(len(layer._keys) if rows is None else len(rows)
-                    for layer, (_, rows, _, _) in zip(sources, spans))
+        first = parts[0][0].layers[index]
         target = merged.layers[index]
         target.dtype, target.device, target.capacity = first.dtype, first.device, capacity
-        target._keys = first._keys.new_zeros((batch, first._keys.shape[1], capacity, first._keys.shape[-1]))
-        target._values = first._values.new_zeros((batch, first._values.shape[1], capacity, first._values.shape[-1]))
-        row = 0
-        for layer, (_, rows, start, span) in zip(sources, spans):
-            for name in ("_keys", "_values"):
-                source = getattr(layer, name)[:, :, start:start + span]
-                if rows is not None:
-                    source = source.index_select(0, rows.to(source.device))
-                getattr(target, name)[row:row + len(source), :, length - span:length] = source
-            row += len(layer._keys) if rows is None else len(rows)
+        for name in ("_keys", "_values"):
+            like = getattr(first, name)
+            # Zeros, not garbage: padding columns are masked, but 0 x NaN would still be NaN.
+            buffer = like.new_zeros((batch, like.shape[1], capacity, like.shape[-1]))
+            row = 0
+            for (cache, start), span in zip(parts, spans):
+                source = getattr(cache.layers[index], name)
+                buffer[row:row + len(source), :, length - span:length] = source[:, :, start:start + span]
+                row += len(source)
+            setattr(target, name, buffer)
         target.length = length
         target.is_initialized = True
         target._refresh_views()

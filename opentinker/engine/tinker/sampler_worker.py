@@ -2,10 +2,11 @@
 
 A request names the weights to sample from: the base model, or a sampler snapshot (a file of
 full weights that a training client saved with ``save_weights_for_sampler``). Each request's
-samples are rows of one continuously batched decode loop (:mod:`.sample_scheduler`): they join
-the running batch at the next step, users share the batch's rows fairly, and weights are
-swapped between steps when another snapshot has work (the rows of the one swapped out wait,
-their caches kept). Prompt logprobs (and top-k) come from one forward pass of the prompt.
+samples are rows of continuously batched decode loops (:mod:`.sample_scheduler`): they join a
+running batch at the next step, users are served in turn by the time their decoding took, and
+weights are swapped between steps when another snapshot's user is due (the rows of the one
+swapped out wait, their caches kept). Prompt logprobs (and top-k) come from one forward pass
+of the prompt.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class TinkerSampler:
         scheduler = self.scheduler  # counters only: the scheduler's thread owns its structures
         return {"live_rows": scheduler.live_rows, "live_tokens": scheduler.live_tokens,
                 "waiting_samples": scheduler.waiting_samples, "decode_steps": scheduler.steps,
+                "lanes": len(scheduler.lanes),
                 "limits": dict(scheduler.limits.__dict__), "rss_bytes": psutil.Process().memory_info().rss}
 
     async def sample(self, request: dict[str, Any]) -> dict[str, Any]:
