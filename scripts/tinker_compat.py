@@ -86,7 +86,8 @@ def start_server() -> tuple[str, str]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     # Each create_* / *_from_state case starts a model of its own: more than the default 4 per user.
-    settings = ServerSettings(data_dir=data_dir, port=port, tinker_long_poll_s=5, tinker_max_models_per_user=32)
+    settings = ServerSettings(data_dir=data_dir, port=port, tinker_long_poll_s=5, tinker_max_models_per_user=32,
+                              tinker_max_models=32)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", loop="asyncio"))
     threading.Thread(target=lambda: server.run(sockets=[sock]), daemon=True).start()
     while not server.started:

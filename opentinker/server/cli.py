@@ -78,7 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--tinker-strategy", choices=["local", "fsdp"], default="local",
                         help="backend of each training client's model (default: %(default)s)")
     tinker.add_argument("--tinker-ranks", type=int, default=1, help="FSDP ranks per model (--tinker-strategy fsdp)")
-    tinker.add_argument("--tinker-max-models", type=int, default=4, help="live training clients per user")
+    tinker.add_argument("--tinker-max-models", type=int, default=8,
+                        help="live training clients on the server, whoever's; past it create_model answers 429 "
+                             "(default: %(default)s)")
+    tinker.add_argument("--tinker-max-models-per-user", type=int, default=4,
+                        help="live training clients per user (default: %(default)s)")
+    tinker.add_argument("--tinker-memory-gb", type=float, default=None, metavar="GB",
+                        help="memory the live training clients may take together, by an estimate from the model's "
+                             "weight files (x1.25 LoRA, x4 full fine-tuning); past it create_model answers 429 "
+                             "(default: half of this machine's RAM)")
+    tinker.add_argument("--tinker-max-sessions", type=int, default=32,
+                        help="active sessions (ServiceClients) per user (default: %(default)s)")
+    tinker.add_argument("--tinker-max-queued-requests", type=int, default=256,
+                        help="per model: training requests waiting or running; past it they answer 429 "
+                             "(default: %(default)s)")
+    tinker.add_argument("--tinker-max-queued-requests-per-user", type=int, default=1024,
+                        help="the same over all of a user's models (default: %(default)s)")
     tinker.add_argument("--tinker-session-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a session without a heartbeat this long ends and its models are unloaded")
     tinker.add_argument("--tinker-max-pending-sample-tokens", type=int, default=524_288, metavar="TOKENS",
@@ -192,7 +207,12 @@ def _serve(args: argparse.Namespace) -> int:
             max_queued_steps=args.max_queued_steps,
             tinker_strategy=args.tinker_strategy,
             tinker_ranks=args.tinker_ranks,
-            tinker_max_models_per_user=args.tinker_max_models,
+            tinker_max_models_per_user=args.tinker_max_models_per_user,
+            tinker_max_models=args.tinker_max_models,
+            tinker_memory_gb=args.tinker_memory_gb,
+            tinker_max_sessions_per_user=args.tinker_max_sessions,
+            tinker_max_queued_requests=args.tinker_max_queued_requests,
+            tinker_max_queued_requests_per_user=args.tinker_max_queued_requests_per_user,
             tinker_session_timeout_s=args.tinker_session_timeout,
             tinker_max_pending_sample_tokens=args.tinker_max_pending_sample_tokens,
             tinker_sampler_max_rows=args.tinker_sampler_max_rows,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,13 @@ class ServerSettings:
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
     tinker_ranks: int = 1  # FSDP ranks per model (tinker_strategy=fsdp)
     tinker_max_models_per_user: int = 4  # live training clients per user
+    tinker_max_models: int = 8  # live training clients on the server, whoever's (429 past it)
+    # Admission by estimated model memory (weight files x 1.25 for LoRA, x 4 for full fine-tuning);
+    # None: half of this machine's RAM.
+    tinker_memory_gb: float | None = None
+    tinker_max_sessions_per_user: int = 32  # active sessions per user (400 past it)
+    tinker_max_queued_requests: int = 256  # per model: training requests waiting or running (429 past it)
+    tinker_max_queued_requests_per_user: int = 1024  # the same over all of a user's models
     tinker_session_timeout_s: float = 300.0  # a session without a heartbeat this long ends
     tinker_long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (< the SDK's 45 s)
     tinker_keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
@@ -79,7 +87,9 @@ class ServerSettings:
         for name in ("max_queued_steps", "max_running_jobs_per_user", "max_env_shards", "max_body_bytes",
                      "max_rows_per_step", "max_concurrent_env_checks", "tinker_ranks",
                      "tinker_max_models_per_user", "tinker_keep_ephemeral", "serve_max_models", "serve_max_tokens",
-                     "tinker_max_pending_sample_tokens", "tinker_sampler_max_rows", "tinker_sampler_max_tokens"):
+                     "tinker_max_pending_sample_tokens", "tinker_sampler_max_rows", "tinker_sampler_max_tokens",
+                     "tinker_max_models", "tinker_max_sessions_per_user", "tinker_max_queued_requests",
+                     "tinker_max_queued_requests_per_user"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_jobs_per_user < 0:
@@ -88,6 +98,8 @@ class ServerSettings:
             raise ValueError(f"serve_device must be 'cpu' or 'cuda', got {self.serve_device!r}")
         if self.tinker_strategy not in ("local", "fsdp"):
             raise ValueError(f"tinker_strategy must be 'local' or 'fsdp', got {self.tinker_strategy!r}")
+        if self.tinker_memory_gb is not None and not self.tinker_memory_gb > 0:
+            raise ValueError(f"tinker_memory_gb must be > 0, got {self.tinker_memory_gb}")
         if not 0 < self.tinker_long_poll_s < 45:
             raise ValueError(f"tinker_long_poll_s must be in (0, 45) (the SDK's read timeout), got {self.tinker_long_poll_s}")
         for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "tinker_session_timeout_s",
@@ -124,6 +136,12 @@ class ServerSettings:
         return {"max_rows": rows, "max_batch_tokens": tokens, "max_user_tokens": 2 * tokens,
                 "max_live_rows": 8 * rows, "max_live_tokens": 8 * tokens}
 
+    def tinker_memory_bytes(self) -> int:
+        """The Tinker models' memory budget: ``tinker_memory_gb``, else half of this machine's RAM."""
+        if self.tinker_memory_gb is not None:
+            return int(self.tinker_memory_gb * 2**30)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
     def tinker_settings(self):
         from opentinker.server.tinker.host import HostSettings
         from opentinker.server.tinker.service import TinkerSettings
@@ -131,6 +149,10 @@ class ServerSettings:
         return TinkerSettings(
             session_timeout_s=self.tinker_session_timeout_s, long_poll_s=self.tinker_long_poll_s,
             keep_ephemeral=self.tinker_keep_ephemeral, max_models_per_user=self.tinker_max_models_per_user,
+            max_models=self.tinker_max_models, memory_budget_bytes=self.tinker_memory_bytes(),
+            max_sessions_per_user=self.tinker_max_sessions_per_user,
+            max_queued_per_model=self.tinker_max_queued_requests,
+            max_queued_per_user=self.tinker_max_queued_requests_per_user,
             max_pending_sample_tokens=self.tinker_max_pending_sample_tokens,
             host=HostSettings(strategy=self.tinker_strategy, ranks=self.tinker_ranks,
                               sampler_limits=self.sampler_limits()),

@@ -28,9 +28,15 @@ class DatumError(ValueError):
     """A datum the backend cannot train on as sent (a user error)."""
 
 
-def token_batch(data: Sequence[Datum], vocab_size: int | None = None) -> TokenBatch:
+def token_batch(data: Sequence[Datum], vocab_size: int | None = None, context: int | None = None) -> TokenBatch:
+    """The datums as one batch; :class:`DatumError` for a datum the model cannot take: a token
+    past its vocabulary, targets that are not next tokens, or more than its ``context``
+    positions (the N input tokens plus the last target)."""
     prompts, responses = [], []
     for index, (tokens, inputs) in enumerate(data):
+        if context is not None and len(tokens) + 1 > context:
+            raise DatumError(f"data[{index}]: {len(tokens)} model input tokens (plus the last target: "
+                             f"{len(tokens) + 1} positions) are more than the model's context of {context} tokens")
         tokens = np.asarray(tokens).tolist()
         targets = np.asarray(inputs["target_tokens"]).tolist()
         if vocab_size is not None and max(tokens + targets) >= vocab_size:

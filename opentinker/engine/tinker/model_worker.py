@@ -74,7 +74,11 @@ class TinkerModelWorker:
         self.spec = spec
         path = resolve_model_path(spec.model_path)
         tokenizer = load_tokenizer(path, trust_remote_code=spec.trust_remote_code)
-        self.vocab_size = int(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code).vocab_size)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+        self.vocab_size = int(config.vocab_size)
+        # The API refuses longer datums at submit; checked here again in case it could not tell.
+        positions = getattr(config, "max_position_embeddings", None)
+        self.context = int(positions) if positions else None
         self.backend = make_backend(spec.config(), path, tokenizer.pad_token_id, pick_device(spec.device))
 
     def ready(self) -> dict[str, Any]:
@@ -84,7 +88,7 @@ class TinkerModelWorker:
                          forward_only: bool) -> dict[str, Any]:
         """Per datum ``logprobs`` and ``elementwise_loss`` (length N each) and the metrics;
         ``forward_only`` leaves the gradients as they are."""
-        batch = token_batch(data, self.vocab_size)
+        batch = token_batch(data, self.vocab_size, self.context)
         ours = dict(loss_config)
         if forward_only:
             spec, config = resolve_loss(loss_fn, ours)

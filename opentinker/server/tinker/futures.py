@@ -49,14 +49,19 @@ class FutureTable:
         self.store = store
         self._events: dict[str, asyncio.Event] = {}
 
+    def existing(self, model_id: str | None, seq_id: int | None) -> FutureRow | None:
+        """The future of a training request already sent with ``(model_id, seq_id)``, if any."""
+        if seq_id is None or model_id is None:
+            return None
+        rows = self.store.query("SELECT * FROM tinker_futures WHERE model_id = ? AND seq_id = ?", (model_id, seq_id))
+        return self._row(rows[0]) if rows else None
+
     def create(self, user_id: int, kind: str, model_id: str | None = None, seq_id: int | None = None,
                extra: dict[str, Any] | None = None, request_id: str | None = None) -> tuple[FutureRow, bool]:
         """A new pending future, or (``False``) the existing one for a re-sent ``(model_id, seq_id)``."""
-        if seq_id is not None and model_id is not None:
-            existing = self.store.query("SELECT * FROM tinker_futures WHERE model_id = ? AND seq_id = ?",
-                                        (model_id, seq_id))
-            if existing:
-                return self._row(existing[0]), False
+        existing = self.existing(model_id, seq_id)
+        if existing is not None:
+            return existing, False
         request_id = request_id or uuid.uuid4().hex
         with self.store.transaction() as conn:
             conn.execute("INSERT INTO tinker_futures (request_id, user_id, model_id, seq_id, kind, state, extra_json, "

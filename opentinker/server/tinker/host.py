@@ -61,20 +61,50 @@ class _Op:
     run: Operation = field(compare=False)
 
 
+#: How far past the next number a request's ``seq_id`` may be. The SDK sends a few numbers
+#: ahead at once (a chunked forward_backward's chunks, first chunk last); a number further on
+#: would wait for the model's whole life for the ones before it.
+SEQ_WINDOW = 1024
+
+
 class ModelSlot:
     """One model's actor and its queue of requests, taken in ``seq_id`` order."""
 
-    def __init__(self, model_id: str, user_id: int):
+    def __init__(self, model_id: str, user_id: int, memory_bytes: int = 0):
         self.model_id = model_id
         self.user_id = user_id
+        self.memory_bytes = memory_bytes  # the admission estimate it holds while it lives
         self.actor: Any = None
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._heap: list[_Op] = []
         self._arrivals = itertools.count()
         self._next_seq = 1
-        self._skipped: set[int] = set()
+        self._skipped: set[int] = set()  # only numbers in [_next_seq, _next_seq + SEQ_WINDOW)
         self._changed = asyncio.Event()
+        self.running = False
         self.task: asyncio.Task | None = None
+
+    @property
+    def next_seq(self) -> int:
+        """The number the model runs next."""
+        return self._next_seq
+
+    @property
+    def pending(self) -> int:
+        """Requests accepted and not finished: waiting in the queue, or running."""
+        return len(self._heap) + int(self.running)
+
+    def seq_problem(self, seq_id: int | None) -> str | None:
+        """Why a new request with ``seq_id`` cannot be queued, or None."""
+        if seq_id is None:
+            return None
+        if seq_id < self._next_seq:
+            return (f"seq_id {seq_id} is behind model {self.model_id}'s queue: it has gone on to {self._next_seq} "
+                    "(a number that does not arrive within a few seconds is passed over)")
+        if seq_id >= self._next_seq + SEQ_WINDOW:
+            return (f"seq_id {seq_id} is too far ahead: model {self.model_id} runs {self._next_seq} next and takes "
+                    f"numbers below {self._next_seq + SEQ_WINDOW}")
+        return None
 
     def push(self, seq_id: int | None, request_id: str, run: Operation) -> None:
         # No seq_id (a caller other than the SDK): in arrival order, after what is ready to run.
@@ -82,9 +112,11 @@ class ModelSlot:
         self._changed.set()
 
     def skip(self, seq_id: int) -> None:
-        """``seq_id`` was refused at submit: nothing will come with that number."""
-        self._skipped.add(seq_id)
-        self._changed.set()
+        """``seq_id`` was refused at submit: nothing will come with that number (numbers
+        outside the window were never waited for)."""
+        if self._next_seq <= seq_id < self._next_seq + SEQ_WINDOW:
+            self._skipped.add(seq_id)
+            self._changed.set()
 
     async def next_op(self, gap_s: float) -> _Op:
         while True:
@@ -100,6 +132,7 @@ class ModelSlot:
                 await asyncio.wait_for(self._changed.wait(), gap_s if self._heap else None)
             except asyncio.TimeoutError:  # a gap nobody filled: go on with the lowest waiting
                 self._next_seq = self._heap[0].seq
+                self._skipped = {seq for seq in self._skipped if seq >= self._next_seq}
 
     def drain(self) -> list[_Op]:
         ops, self._heap = self._heap, []
@@ -127,10 +160,11 @@ class TinkerHost:
 
     # -- models ------------------------------------------------------------------------
     def start_model(self, model_id: str, user_id: int, worker_spec: Any, request_id: str,
-                    answer: dict[str, Any], load: tuple[str, bool] | None = None) -> None:
+                    answer: dict[str, Any], load: tuple[str, bool] | None = None, memory_bytes: int = 0) -> None:
         """Start the model's actor in the background; the create future gets ``answer``
-        once it is up (and, with ``load``, has loaded that checkpoint folder)."""
-        slot = ModelSlot(model_id, user_id)
+        once it is up (and, with ``load``, has loaded that checkpoint folder). The model
+        holds ``memory_bytes`` of the admission budget until it is gone."""
+        slot = ModelSlot(model_id, user_id, memory_bytes)
         self._models[model_id] = slot
         slot.task = asyncio.create_task(self._serve(slot, worker_spec, request_id, answer, load))
 
@@ -155,12 +189,14 @@ class TinkerHost:
             slot.ready.set_exception(UserError(message))
             self._fail_queue(slot, message)
             self._kill(slot)
+            self._models.pop(slot.model_id, None)  # it holds no admission any more
             return
         self.state.set_model_state(slot.model_id, "ready")
         self.futures.resolve(request_id, answer)
         slot.ready.set_result(True)
         while True:
             op = await slot.next_op(self.settings.gap_s)
+            slot.running = True
             try:
                 payload, content_type = await op.run(slot.actor)
             except UserError as error:
@@ -175,6 +211,8 @@ class TinkerHost:
                     self._models.pop(slot.model_id, None)
                     return
                 continue
+            finally:
+                slot.running = False
             self.futures.resolve(op.request_id, payload, content_type)
             self.state.touch_model(slot.model_id)
 
@@ -184,6 +222,14 @@ class TinkerHost:
 
     def slot(self, model_id: str) -> ModelSlot | None:
         return self._models.get(model_id)
+
+    def live_models(self) -> list[ModelSlot]:
+        """Every model that holds an actor (loading or ready), whoever's."""
+        return list(self._models.values())
+
+    def user_pending(self, user_id: int) -> int:
+        """Requests of ``user_id``'s models accepted and not finished."""
+        return sum(slot.pending for slot in self._models.values() if slot.user_id == user_id)
 
     def submit(self, model_id: str, seq_id: int | None, request_id: str, run: Operation) -> None:
         self._models[model_id].push(seq_id, request_id, run)

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.security import APIKeyHeader
+from starlette.concurrency import run_in_threadpool
 
+import opentinker
+from opentinker.protocol import MAX_INT
 from opentinker.server.auth import authenticate
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
-from opentinker.server.tinker import schemas, wire
+from opentinker.server.tinker import openapi, schemas, wire
+from opentinker.server.tinker.openapi import errors
 from opentinker.engine.tinker import DEFAULT_MAX_TOKENS
 from opentinker.server.tinker.futures import JSON, PROTOBUF
 from opentinker.server.tinker.host import UserError, await_ref
 from opentinker.server.tinker.sample_budget import OverBudget
-from opentinker.server.tinker.service import CHECKPOINT_KINDS, TinkerService
+from opentinker.server.tinker.service import CHECKPOINT_KINDS, ServerFull, TinkerService
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow
 
 PREFIX = "/api/v1"
@@ -55,17 +60,20 @@ UNSUPPORTED = {
                                                                      "(ttl_seconds)",
 }
 
-# Not in /openapi.json: the SDK is this API's contract (docs/tinker.md lists what is supported).
-router = APIRouter(prefix=PREFIX, tags=["tinker"], include_in_schema=False)
+# Not in /openapi.json (the OpenTinker API's): the Tinker routes have their own document,
+# /api/v1/openapi.json (openapi.py).
+router = APIRouter(prefix=PREFIX, tags=["tinker"], include_in_schema=False,
+                   responses=errors(*openapi.COMMON_ERRORS))
+_api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="tml-<your OpenTinker key>")
 
 
 def service(request: Request) -> TinkerService:
     return request.app.state.tinker
 
 
-async def tinker_user(request: Request) -> User:
+async def tinker_user(request: Request, header: str | None = Depends(_api_key)) -> User:
     """The user of ``X-API-Key`` (``tml-<key>`` or ``<key>``)."""
-    key = request.headers.get("x-api-key", "").strip()
+    key = (header or "").strip()
     if not key:
         raise ApiError(401, "missing API key: send 'X-API-Key: tml-<key>' (the tinker SDK: api_key= or "
                             "TINKER_API_KEY)")
@@ -110,7 +118,29 @@ def _session(svc: TinkerService, session_id: str, user: User) -> None:
 
 
 def _submit(svc: TinkerService, user: User, model_id: str, seq_id: int | None, kind: str, run) -> dict[str, Any]:
-    """Queue ``run`` on the model in ``seq_id`` order; a re-sent ``(model_id, seq_id)`` gets its first future."""
+    """Queue ``run`` on the model in ``seq_id`` order; a re-sent ``(model_id, seq_id)`` gets its
+    first future. A number the model would never reach, or has gone past, is refused (400); a
+    full queue is a 429 (the SDK retries with the same number, so nothing is skipped for it)."""
+    existing = svc.futures.existing(model_id, seq_id)
+    if existing is not None:
+        return existing.submit_answer()
+    slot = svc.host.slot(model_id)
+    if slot is None:  # unloaded while the request was being read
+        raise _user_error(f"model {model_id!r} was unloaded; load it again from a checkpoint")
+    problem = slot.seq_problem(seq_id)
+    if problem:
+        raise _user_error(problem)
+    # The number the model waits for is always taken: refusing it would stall what waits behind it.
+    if seq_id is None or seq_id != slot.next_seq:
+        limits = svc.settings
+        if slot.pending >= limits.max_queued_per_model:
+            raise ApiError(429, f"model {model_id} has {slot.pending} requests waiting or running, the most it "
+                                "queues (--tinker-max-queued-requests); retry when some are done",
+                           headers={"Retry-After": "1"})
+        if svc.host.user_pending(user.id) >= limits.max_queued_per_user:
+            raise ApiError(429, f"your models have {limits.max_queued_per_user} requests waiting or running, the "
+                                "most this server queues per user; retry when some are done",
+                           headers={"Retry-After": "1"})
     row, new = svc.futures.create(user.id, kind, model_id, seq_id)
     if new:
         svc.host.submit(model_id, seq_id, row.request_id, run)
@@ -127,6 +157,17 @@ def _refuse_seq(svc: TinkerService, model_id: str | None, seq_id: int | None, us
 # -- bootstrap and sessions -------------------------------------------------------------
 
 
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi_document(request: Request) -> JSONResponse:
+    """This API's OpenAPI document (public, like /openapi.json)."""
+    if getattr(request.app.state, "tinker_openapi", None) is None:
+        request.app.state.tinker_openapi = openapi.document(router.routes, opentinker.__version__)
+    return JSONResponse(request.app.state.tinker_openapi)
+
+
+openapi_document.undocumented = True
+
+
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -135,7 +176,8 @@ async def healthz() -> dict[str, str]:
 @router.post("/client/config")
 async def client_config(user: User = Depends(tinker_user)) -> dict[str, Any]:
     return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
-            "custom_loss_server_side": False, "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True}
+            "custom_loss_server_side": False, "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True,
+            "fwdbwd_max_chunk_len": wire.MAX_DATUMS}
 
 
 @router.post("/client/dynamic_config")
@@ -143,15 +185,21 @@ async def dynamic_config(user: User = Depends(tinker_user)) -> dict[str, Any]:
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
-@router.post("/create_session")
+@router.post("/create_session", responses=errors(400))
 async def create_session(body: schemas.CreateSession, user: User = Depends(tinker_user),
                          svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    # 400, not 429: only the user can end their sessions, so a retry would just wait and fail.
+    limit = svc.settings.max_sessions_per_user
+    if svc.state.active_sessions(user.id) >= limit:
+        raise _user_error(f"you have {limit} active sessions, the most this server allows per user "
+                          "(--tinker-max-sessions); close a ServiceClient (close(), or use it in a with block) "
+                          f"first; a session without heartbeats ends after {svc.settings.session_timeout_s:.0f} s")
     session_id = uuid.uuid4().hex
     svc.state.create_session(session_id, user.id, body.tags, body.user_metadata or {})
     return {"session_id": session_id}
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", responses=errors(404, 410))
 async def session_heartbeat(body: schemas.SessionRef, user: User = Depends(tinker_user),
                             svc: TinkerService = Depends(service)) -> Response:
     state = svc.state.session_state(body.session_id, user.id)
@@ -163,7 +211,7 @@ async def session_heartbeat(body: schemas.SessionRef, user: User = Depends(tinke
     return JSONResponse({"type": "session_heartbeat"})
 
 
-@router.post("/sessions/{session_id}/finish", status_code=204)
+@router.post("/sessions/{session_id}/finish", status_code=204, responses=errors(404))
 async def finish_session(body: schemas.FinishSession, session_id: str = Path(max_length=256),
                          user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> Response:
     if svc.state.session_state(session_id, user.id) is None:
@@ -208,7 +256,8 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
         return row.submit_answer()
     if svc.live_models(user.id) >= svc.settings.max_models_per_user:
         raise _user_error(f"you have {svc.settings.max_models_per_user} live models, the most this server allows "
-                          "per user; end a ServiceClient session (or unload a model) first")
+                          "per user (--tinker-max-models-per-user); end a ServiceClient session (or unload a model) "
+                          "first")
     served = svc.served_model(base_model)
     try:
         worker_spec = _worker_spec(svc, served, spec)
@@ -216,14 +265,18 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
             worker_spec.target_modules()
     except ValueError as error:
         raise _user_error(str(error)) from None
+    try:  # server-wide: the live models and their estimated memory, whoever's
+        memory = svc.admit_model(served, lora=bool(spec.get("lora_rank")))
+    except ServerFull as error:
+        raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
     svc.state.add_model(model_id, session_id, user.id, served.name, spec, metadata)
     row, _ = svc.futures.create(user.id, kind, model_id, 0)
     answer = {"model_id": model_id} if load_path is None else {"model_id": model_id, "path": load_path}
-    svc.host.start_model(model_id, user.id, worker_spec, row.request_id, answer, load)
+    svc.host.start_model(model_id, user.id, worker_spec, row.request_id, answer, load, memory)
     return row.submit_answer()
 
 
-@router.post("/create_model")
+@router.post("/create_model", responses=errors(400, 404, 429))
 async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     _session(svc, body.session_id, user)
@@ -242,7 +295,7 @@ async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_us
         raise _user_error(str(error)) from None
 
 
-@router.post("/get_info")
+@router.post("/get_info", responses=errors(404))
 async def get_info(body: schemas.ModelRef, user: User = Depends(tinker_user),
                    svc: TinkerService = Depends(service)) -> dict[str, Any]:
     model = svc.state.model(body.model_id, user.id)
@@ -255,7 +308,7 @@ async def get_info(body: schemas.ModelRef, user: User = Depends(tinker_user),
             "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None, "model_name": name}
 
 
-@router.post("/unload_model")
+@router.post("/unload_model", responses=errors(404))
 async def unload_model(body: schemas.ModelRef, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     if svc.state.model(body.model_id, user.id) is None:
@@ -283,20 +336,30 @@ def _decompressed(request: Request, body: bytes) -> bytes:
     return out
 
 
-@router.post("/forward_backward", openapi_extra={
-    "requestBody": {"content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}}, "required": True}})
+def _context(svc: TinkerService, model: ModelRow) -> int | None:
+    try:
+        return svc.context_length(model.base_model)
+    except UserError:  # no longer served (the operator's flags changed): the worker checks it
+        return None
+
+
+@router.post("/forward_backward", openapi_extra=openapi.binary_body(), responses=errors(400, 404, 429))
 async def forward_backward(request: Request, user: User = Depends(tinker_user),
                            svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """Protobuf ``ForwardBackwardRequest`` in (zstd accepted); the future's result is a
-    protobuf ``ForwardBackwardOutput``. ``forward_only`` leaves the gradients alone."""
+    protobuf ``ForwardBackwardOutput``. ``forward_only`` leaves the gradients alone. Each
+    datum must fit the model's context (its input tokens plus the last target)."""
     body = _decompressed(request, await request.body())
-    try:
-        call = wire.decode_forward_backward(body)
+    try:  # off the event loop: a full chunk of 1024 datums takes a while to read
+        message = await run_in_threadpool(wire.parse_forward_backward, body)
     except wire.WireError as error:
-        model_id, seq_id = wire.peek_ids(body)
-        _refuse_seq(svc, model_id, seq_id, user)
         raise _user_error(str(error)) from None
-    _model(svc, call.model_id, user)
+    model = _model(svc, message.model_id, user)
+    try:
+        call = await run_in_threadpool(wire.decode_forward_backward, message, _context(svc, model))
+    except wire.WireError as error:
+        _refuse_seq(svc, message.model_id, message.seq_id or None, user)
+        raise _user_error(str(error)) from None
     data = [(datum.tokens, datum.inputs) for datum in call.data]
 
     async def run(actor):
@@ -306,7 +369,7 @@ async def forward_backward(request: Request, user: User = Depends(tinker_user),
     return _submit(svc, user, call.model_id, call.seq_id, "Forward" if call.forward_only else "ForwardBackward", run)
 
 
-@router.post("/optim_step")
+@router.post("/optim_step", responses=errors(400, 404, 429))
 async def optim_step(body: schemas.OptimStep, user: User = Depends(tinker_user),
                      svc: TinkerService = Depends(service)) -> dict[str, Any]:
     _model(svc, body.model_id, user)
@@ -329,18 +392,17 @@ def _new_checkpoint_folder(svc: TinkerService, model: ModelRow, kind: str, name:
     return folder
 
 
-@router.post("/save_weights")
-async def save_weights(request: Request, body: schemas.SaveWeights, user: User = Depends(tinker_user),
+@router.post("/save_weights", responses=errors(400, 404, 429))
+async def save_weights(body: schemas.SaveWeights, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """``save_state``: weights (with LoRA, the adapters) and optimizer state, loadable with
     ``create_training_client_from_state[_with_optimizer]``."""
     model = _model(svc, body.model_id, user)
-    overwrite = bool((await request.json()).get("overwrite", False))
     if body.path is None:
         _refuse_seq(svc, body.model_id, body.seq_id, user)
         raise _user_error("save_weights: path (the checkpoint's name) is required")
     try:
-        folder = _new_checkpoint_folder(svc, model, "weights", body.path, overwrite)
+        folder = _new_checkpoint_folder(svc, model, "weights", body.path, body.overwrite)
     except ApiError:
         _refuse_seq(svc, body.model_id, body.seq_id, user)
         raise
@@ -365,7 +427,7 @@ def _checkpoint_row(model: ModelRow, kind: str, name: str, user: User, folder, s
                          None if ttl_s is None else now + ttl_s)
 
 
-@router.post("/save_weights_for_sampler")
+@router.post("/save_weights_for_sampler", responses=errors(400, 404, 429))
 async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depends(tinker_user),
                                    svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """Named (``path``): a ``tinker://…/sampler_weights/<name>`` to sample from later. Ephemeral
@@ -397,7 +459,7 @@ async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depen
     return _submit(svc, user, body.model_id, body.seq_id, "SaveWeightsForSampler", run)
 
 
-@router.post("/load_weights")
+@router.post("/load_weights", responses=errors(400, 404, 429))
 async def load_weights(body: schemas.LoadWeights, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """Create a model from a ``save_state`` checkpoint (``session_id`` + ``model_seq_id``),
@@ -455,7 +517,7 @@ def _sampler_source(svc: TinkerService, user: User, base_model: str | None, mode
         raise _user_error(str(error)) from None
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", responses=errors(400, 404))
 async def create_sampling_session(body: schemas.CreateSamplingSession, user: User = Depends(tinker_user),
                                   svc: TinkerService = Depends(service)) -> dict[str, Any]:
     _session(svc, body.session_id, user)
@@ -465,7 +527,7 @@ async def create_sampling_session(body: schemas.CreateSamplingSession, user: Use
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
-@router.get("/samplers/{sampler_id}")
+@router.get("/samplers/{sampler_id}", responses=errors(404))
 async def get_sampler(sampler_id: str = Path(max_length=256), user: User = Depends(tinker_user),
                       svc: TinkerService = Depends(service)) -> dict[str, Any]:
     sampler = svc.state.sampler(sampler_id, user.id)
@@ -507,7 +569,7 @@ def _engine_params(params: schemas.SamplingParams) -> dict[str, Any]:
     return fields
 
 
-@router.post("/asample")
+@router.post("/asample", responses=errors(400, 404, 429))
 async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user),
                   svc: TinkerService = Depends(service)) -> dict[str, Any]:
     _refuse_sample_options(body)
@@ -567,7 +629,7 @@ async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request
 # -- futures ----------------------------------------------------------------------------
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", responses={**openapi.FUTURE_RESULT, **errors(404)})
 async def retrieve_future(body: schemas.RetrieveFuture, user: User = Depends(tinker_user),
                           svc: TinkerService = Depends(service)) -> Response:
     row = await svc.futures.wait(body.request_id, user.id, svc.settings.long_poll_s)
@@ -601,10 +663,10 @@ def _training_run_json(svc: TinkerService, model: ModelRow, user: User) -> dict[
 
 
 @router.get("/training_runs")
-async def list_training_runs(limit: int = 20, offset: int = 0, user: User = Depends(tinker_user),
-                             svc: TinkerService = Depends(service)) -> dict[str, Any]:
+async def list_training_runs(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_INT),
+                             user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> dict[str, Any]:
     models = svc.state.models(user.id)
-    page = models[max(offset, 0):max(offset, 0) + max(min(limit, 1000), 1)]
+    page = models[offset:offset + limit]
     return {"training_runs": [_training_run_json(svc, m, user) for m in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
 
@@ -616,13 +678,13 @@ def _owned_run(svc: TinkerService, run_id: str, user: User) -> ModelRow:
     return model
 
 
-@router.get("/training_runs/{run_id}")
+@router.get("/training_runs/{run_id}", responses=errors(404))
 async def get_training_run(run_id: str = Path(max_length=256), user: User = Depends(tinker_user),
                            svc: TinkerService = Depends(service)) -> dict[str, Any]:
     return _training_run_json(svc, _owned_run(svc, run_id, user), user)
 
 
-@router.get("/training_runs/{run_id}/checkpoints")
+@router.get("/training_runs/{run_id}/checkpoints", responses=errors(404))
 async def list_run_checkpoints(run_id: str = Path(max_length=256), user: User = Depends(tinker_user),
                                svc: TinkerService = Depends(service)) -> dict[str, Any]:
     _owned_run(svc, run_id, user)
@@ -634,7 +696,7 @@ async def list_checkpoints(user: User = Depends(tinker_user), svc: TinkerService
     return {"checkpoints": [_checkpoint_json(c) for c in svc.state.checkpoints(user.id)]}
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204, responses=errors(400, 404))
 async def delete_checkpoint(run_id: str = Path(max_length=256), kind: str = Path(max_length=32),
                             name: str = Path(max_length=256), user: User = Depends(tinker_user),
                             svc: TinkerService = Depends(service)) -> Response:
@@ -643,7 +705,7 @@ async def delete_checkpoint(run_id: str = Path(max_length=256), kind: str = Path
     return Response(status_code=204)
 
 
-@router.post("/weights_info")
+@router.post("/weights_info", responses=errors(400, 404))
 async def weights_info(body: schemas.WeightsInfo, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     row = _checkpoint(svc, body.tinker_path, user)
@@ -655,11 +717,16 @@ async def weights_info(body: schemas.WeightsInfo, user: User = Depends(tinker_us
 
 
 @router.get("/sessions")
-async def list_sessions(user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> dict[str, Any]:
-    return {"sessions": svc.state.sessions(user.id)}
+async def list_sessions(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_INT),
+                        access_scope: Literal["owned", "accessible"] = "owned", user: User = Depends(tinker_user),
+                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """``RestClient.list_sessions(limit, offset)``: a page of your session ids, newest first
+    (``accessible`` is the same as ``owned`` here: nothing is shared)."""
+    sessions, total = svc.state.sessions(user.id, limit, offset)
+    return {"sessions": sessions, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
-@router.get("/sessions/{session_id}")
+@router.get("/sessions/{session_id}", responses=errors(404))
 async def get_session(session_id: str = Path(max_length=256), user: User = Depends(tinker_user),
                       svc: TinkerService = Depends(service)) -> dict[str, Any]:
     if svc.state.session_state(session_id, user.id) is None:
@@ -678,6 +745,7 @@ def _unsupported(name: str, reason: str):
             pass
         raise _user_error(f"{request.method} {request.url.path}: {reason}")
 
+    refuse.undocumented = True  # not offered: left out of the OpenAPI document
     return refuse
 
 

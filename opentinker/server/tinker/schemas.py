@@ -1,27 +1,78 @@
 """The JSON request bodies of the Tinker routes, as the SDK 0.38.0 sends them.
 
 Fields this server does not use are ignored (``extra="ignore"``: a newer SDK may add some);
-the ones it uses are typed and bounded, so a bad value is a 422 naming the field.
+the ones it uses are typed and bounded, so a bad value is a 422 naming the field. Every
+body is first checked whole as the main API's are (``protocol.wire_problem``: no lone
+surrogates, integers within int64, finite numbers, bounded nesting), and every number that
+reaches the store is below 2**63.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import json
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from opentinker.protocol import MAX_INT, MAX_JSON_DEPTH, wire_problem
 
 CHECKPOINT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 ID = Field(min_length=1, max_length=256)
+MAX_TAGS = 64
+MAX_TAG_CHARS = 256
+MAX_METADATA_BYTES = 4096  # user_metadata, as JSON
+MAX_TTL_S = 100 * 365 * 86400
+
+
+def _unsafe(value: Any, path: str = "", depth: int = 0) -> str | None:
+    """``protocol.wire_problem``, with long lists of plain ints (a prompt's tokens) checked at
+    C speed instead of one value at a time."""
+    if isinstance(value, list) and len(value) > 64 and all(type(item) is int for item in value):
+        return None if -MAX_INT - 1 <= min(value) and max(value) <= MAX_INT else \
+            f"{path or 'body'}: integer out of the 64-bit range"
+    if not isinstance(value, (dict, list)):
+        return wire_problem(value, path)
+    if depth >= MAX_JSON_DEPTH:
+        return f"{path or 'body'}: nested deeper than {MAX_JSON_DEPTH} levels"
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        problem = wire_problem(key, f"{path or 'body'} (a key)") if isinstance(key, str) else None
+        child = (f"{path}.{key}" if path else str(key)) if isinstance(key, str) else f"{path}[{key}]"
+        problem = problem or _unsafe(item, child, depth + 1)
+        if problem:
+            return problem
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _wire_safe(cls, data: Any) -> Any:
+        problem = _unsafe(data)
+        if problem:
+            raise PydanticCustomError("unsafe_value", problem)
+        return data
+
+
+def _small_json(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+        raise ValueError(f"at most {MAX_METADATA_BYTES} bytes as JSON")
+    return value
+
+
+#: ``user_metadata``: a small JSON object kept with the session, model or checkpoint.
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(_small_json)]
+StrMetadata = Annotated[dict[str, str] | None, AfterValidator(_small_json)]
+SeqId = Annotated[int, Field(ge=1, le=MAX_INT)]
+Tag = Annotated[str, Field(max_length=MAX_TAG_CHARS)]
+
 
 class CreateSession(_Body):
-    tags: list[str] = Field(default_factory=list, max_length=64)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
+    tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
+    user_metadata: Metadata = None
+    sdk_version: str | None = Field(None, max_length=64)
 
 
 class SessionRef(_Body):
@@ -29,31 +80,31 @@ class SessionRef(_Body):
 
 
 class FinishReason(_Body):
-    type: str = "success"
+    type: str = Field("success", max_length=64)
 
 
 class FinishSession(_Body):
     reason: FinishReason | None = None
-    detail: str | None = None
+    detail: str | None = Field(None, max_length=4096)  # not kept
 
 
 class LoraConfig(_Body):
     rank: int = Field(ge=1, le=1024)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_INT)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
 
 
 class OptimizerConfig(_Body):
-    type: str = "adamw"
+    type: str = Field("adamw", max_length=64)
 
 
 class CreateModel(_Body):
     session_id: str = ID
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=MAX_INT)
     base_model: str = Field(min_length=1, max_length=1024)
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StrMetadata = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
 
@@ -73,30 +124,31 @@ class AdamParams(_Body):
 
 class OptimStep(_Body):
     model_id: str = ID
-    seq_id: int | None = Field(None, ge=1)
+    seq_id: SeqId | None = None
     adam_params: AdamParams | None = None
-    optimizer_params: dict[str, Any] | None = None
+    optimizer_params: dict[str, Any] | None = None  # only its "type" is read (to name it in the refusal)
 
 
 class SaveWeights(_Body):
     model_id: str = ID
-    seq_id: int | None = Field(None, ge=1)
+    seq_id: SeqId | None = None
     path: str | None = Field(None, pattern=CHECKPOINT_NAME)
-    ttl_seconds: int | None = Field(None, ge=1)
-    user_metadata: dict[str, str] | None = None
-    sampling_session_seq_id: int | None = Field(None, ge=0)  # save_weights_for_sampler, ephemeral
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
+    user_metadata: StrMetadata = None
+    overwrite: bool = False
+    sampling_session_seq_id: int | None = Field(None, ge=0, le=MAX_INT)  # save_weights_for_sampler, ephemeral
 
 
 class LoadWeights(_Body):
     path: str = Field(min_length=1, max_length=2048)
     optimizer: bool = False
     # create-via-load
-    session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
-    user_metadata: dict[str, str] | None = None
+    session_id: str | None = Field(None, min_length=1, max_length=256)
+    model_seq_id: int | None = Field(None, ge=0, le=MAX_INT)
+    user_metadata: StrMetadata = None
     # legacy: into an existing model
-    model_id: str | None = None
-    seq_id: int | None = Field(None, ge=1)
+    model_id: str | None = Field(None, min_length=1, max_length=256)
+    seq_id: SeqId | None = None
 
 
 class CreateSamplingSession(_Body):

@@ -20,6 +20,7 @@ from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.store import Store
 from opentinker.server.tinker.futures import FutureTable
 from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
+from opentinker.server.tinker.model_facts import ModelFactsCache, estimated_model_bytes
 from opentinker.server.tinker.sample_budget import SampleBudget
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, TinkerState
 
@@ -34,6 +35,14 @@ class TinkerSettings:
     long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (the SDK gives up at 45 s)
     keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
     max_models_per_user: int = 4  # live models (each one a worker holding a copy of its weights)
+    max_models: int = 8  # live models on the server, whoever's (429 past it)
+    memory_budget_bytes: int | None = None  # admission by estimated model memory (None: not checked)
+    max_sessions_per_user: int = 32  # active sessions (400 past it: only the user can end them)
+    keep_ended_sessions: int = 1000  # per user; older ended sessions are forgotten with their samplers
+    max_samplers_per_session: int = 256  # sampling clients kept per session (the oldest forgotten)
+    max_samplers_per_user: int = 4096  # ... and per user, across sessions
+    max_queued_per_model: int = 256  # training requests accepted and not finished (429 past it)
+    max_queued_per_user: int = 1024  # ... over all of a user's models
     max_pending_samples: int = 1024  # per user; past it asample answers 429 (the SDK backs off)
     max_pending_sample_tokens: int = 524_288  # per user: num_samples x max_tokens of calls not done (429 past it)
     future_ttl_s: float = 3600.0  # finished futures are forgotten after this long
@@ -42,6 +51,10 @@ class TinkerSettings:
 
     def __post_init__(self) -> None:
         self.host = self.host or HostSettings()
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
@@ -53,9 +66,14 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+class ServerFull(Exception):
+    """The server cannot take this now, but will once others' work is done (429, retried)."""
+
+
 class TinkerService:
     def __init__(self, store: Store, data_dir: Path, policy: JobPolicy, settings: TinkerSettings):
-        self.state = TinkerState(store)
+        self.state = TinkerState(store, settings.keep_ended_sessions, settings.max_samplers_per_session,
+                                 settings.max_samplers_per_user)
         self.futures = FutureTable(store)
         self.host = TinkerHost(self.state, self.futures, settings.host)
         self.root = Path(data_dir) / "tinker"
@@ -64,6 +82,7 @@ class TinkerService:
         self._housekeeping: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()  # background sampling, kept referenced until done
         self.sample_budget = SampleBudget(settings.max_pending_sample_tokens)
+        self.facts = ModelFactsCache()
 
     async def start(self) -> None:
         lost = self.state.mark_models_lost("the server restarted; create the model again from a checkpoint "
@@ -105,7 +124,34 @@ class TinkerService:
         return str(tiny_model_dir())
 
     def live_models(self, user_id: int) -> int:
-        return sum(1 for m in self.state.models(user_id) if m.state in ("loading", "ready"))
+        return sum(1 for slot in self.host.live_models() if slot.user_id == user_id)
+
+    def context_length(self, base_model: str) -> int | None:
+        """The served model's context in tokens (its config's max_position_embeddings), if known."""
+        return self.facts.get(self.served_model(base_model)).context
+
+    def admit_model(self, served: ServedModel, lora: bool) -> int:
+        """The memory estimate a new model of ``served`` holds once admitted (0 when its size is
+        unknown). :class:`ServerFull` when the server's live models or memory budget are full;
+        UserError when the model would never fit the budget."""
+        settings = self.settings
+        estimate = estimated_model_bytes(self.facts.get(served), lora) or 0
+        kind = "LoRA" if lora else "fully fine-tuned"
+        budget = settings.memory_budget_bytes
+        if budget is not None and estimate > budget:
+            raise UserError(f"a {kind} model of {served.name} needs about {_gib(estimate)} (an estimate from its "
+                            f"weight files), more than this server's whole Tinker memory budget of {_gib(budget)}"
+                            + ("; a LoRA model needs less (lora_config)" if not lora else ""))
+        live = self.host.live_models()
+        if len(live) >= settings.max_models:
+            raise ServerFull(f"the server is full: {len(live)} live Tinker models, the most it runs at once "
+                             "(--tinker-max-models); retry when one is unloaded")
+        used = sum(slot.memory_bytes for slot in live)
+        if budget is not None and used + estimate > budget:
+            raise ServerFull(f"the server's memory for Tinker models is full: {_gib(used)} of {_gib(budget)} is "
+                             f"taken (estimated) and a {kind} model of {served.name} needs about {_gib(estimate)}; "
+                             "retry when a model is unloaded")
+        return estimate
 
     def usable_model(self, model_id: str, user_id: int) -> ModelRow:
         """The caller's model, if it can take requests; UserError saying why not otherwise."""

@@ -74,6 +74,10 @@ CREATE TABLE IF NOT EXISTS tinker_samplers (
     model_path TEXT,  -- the tinker:// path it samples from (None: the base model)
     created_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS tinker_sessions_by_user ON tinker_sessions(user_id, state, created_at);
+CREATE INDEX IF NOT EXISTS tinker_models_by_session ON tinker_models(session_id);
+CREATE INDEX IF NOT EXISTS tinker_samplers_by_session ON tinker_samplers(session_id, created_at);
+CREATE INDEX IF NOT EXISTS tinker_samplers_by_user ON tinker_samplers(user_id, created_at);
 """
 
 
@@ -127,8 +131,17 @@ def _loads(text: str | None) -> Any:
 
 
 class TinkerState:
-    def __init__(self, store: Store):
+    """The tables. Rows a client can add without bound are capped here: ended sessions beyond
+    a user's newest ``keep_ended_sessions`` are forgotten (with their samplers, and their
+    models that left no checkpoint), and so are a session's samplers beyond its newest
+    ``samplers_per_session`` and a user's beyond ``samplers_per_user``."""
+
+    def __init__(self, store: Store, keep_ended_sessions: int = 1000, samplers_per_session: int = 256,
+                 samplers_per_user: int = 4096):
         self.store = store
+        self.keep_ended_sessions = keep_ended_sessions
+        self.samplers_per_session = samplers_per_session
+        self.samplers_per_user = samplers_per_user
         with store.transaction() as conn:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
@@ -140,6 +153,19 @@ class TinkerState:
         with self.store.transaction() as conn:
             conn.execute("INSERT INTO tinker_sessions VALUES (?, ?, ?, ?, 'active', ?, ?)",
                          (session_id, user_id, json.dumps(tags), json.dumps(metadata), now, now))
+            forgotten = [row[0] for row in conn.execute(
+                "SELECT session_id FROM tinker_sessions WHERE user_id = ? AND state != 'active' "
+                "ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?", (user_id, self.keep_ended_sessions))]
+            for session in forgotten:
+                conn.execute("DELETE FROM tinker_samplers WHERE session_id = ?", (session,))
+                conn.execute("DELETE FROM tinker_models WHERE session_id = ? AND state NOT IN ('loading', 'ready') "
+                             "AND model_id NOT IN (SELECT run_id FROM tinker_checkpoints)", (session,))
+                conn.execute("DELETE FROM tinker_sessions WHERE session_id = ?", (session,))
+
+    def active_sessions(self, user_id: int) -> int:
+        rows = self.store.query("SELECT COUNT(*) AS n FROM tinker_sessions WHERE user_id = ? AND state = 'active'",
+                                (user_id,))
+        return int(rows[0]["n"])
 
     def session_state(self, session_id: str, user_id: int) -> str | None:
         rows = self.store.query("SELECT state FROM tinker_sessions WHERE session_id = ? AND user_id = ?",
@@ -155,10 +181,12 @@ class TinkerState:
             conn.execute("UPDATE tinker_sessions SET state = ? WHERE session_id = ? AND state = 'active'",
                          (state, session_id))
 
-    def sessions(self, user_id: int) -> list[str]:
-        rows = self.store.query("SELECT session_id FROM tinker_sessions WHERE user_id = ? ORDER BY created_at",
-                                (user_id,))
-        return [row["session_id"] for row in rows]
+    def sessions(self, user_id: int, limit: int, offset: int) -> tuple[list[str], int]:
+        """A page of the user's session ids, newest first, and how many there are."""
+        rows = self.store.query("SELECT session_id FROM tinker_sessions WHERE user_id = ? "
+                                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?", (user_id, limit, offset))
+        total = self.store.query("SELECT COUNT(*) AS n FROM tinker_sessions WHERE user_id = ?", (user_id,))
+        return [row["session_id"] for row in rows], int(total[0]["n"])
 
     def session_samplers(self, session_id: str) -> list[str]:
         rows = self.store.query("SELECT sampler_id FROM tinker_samplers WHERE session_id = ? ORDER BY created_at",
@@ -265,6 +293,14 @@ class TinkerState:
         with self.store.transaction() as conn:
             conn.execute("INSERT OR REPLACE INTO tinker_samplers VALUES (?, ?, ?, ?, ?, ?)",
                          (row.sampler_id, row.user_id, row.session_id, row.base_model, row.model_path, time.time()))
+            # An RL loop makes a sampler every step: the oldest are forgotten (their ephemeral
+            # snapshots are long gone: a model keeps its newest few).
+            conn.execute("DELETE FROM tinker_samplers WHERE sampler_id IN (SELECT sampler_id FROM tinker_samplers "
+                         "WHERE session_id = ? ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                         (row.session_id, self.samplers_per_session))
+            conn.execute("DELETE FROM tinker_samplers WHERE sampler_id IN (SELECT sampler_id FROM tinker_samplers "
+                         "WHERE user_id = ? ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                         (row.user_id, self.samplers_per_user))
 
     def sampler(self, sampler_id: str, user_id: int) -> SamplerRow | None:
         rows = self.store.query("SELECT * FROM tinker_samplers WHERE sampler_id = ? AND user_id = ?",

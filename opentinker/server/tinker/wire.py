@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from opentinker.server.tinker.proto_budget import ParseBudgetError, check_parse_budget
+
 
 def _sdk_proto_module():
     name = "opentinker._tinker_public_pb2"
@@ -51,6 +53,12 @@ _PROTO_DTYPES = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtyp
 _DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int32",
                 pb.DTYPE_BFLOAT16: "bfloat16"}
 MAX_LOGPROB_FLOOR = -99999.0  # an empty top-k cell, as the SDK expects it
+#: Datums in one forward_backward request: the SDK's chunk length (client/config
+#: ``fwdbwd_max_chunk_len``, 1024 unless a server says otherwise) splits larger calls.
+MAX_DATUMS = 1024
+#: Fields, messages and repeated values a forward_backward body may hold (proto_budget): a full
+#: chunk of 1024 datums, each with its inputs and provenance spans, is about 50,000.
+MAX_PARSE_ITEMS = 262_144
 
 
 class WireError(ValueError):
@@ -81,44 +89,33 @@ class ForwardBackwardCall:
     data: list[Datum]
 
 
-def _tensor(message: pb.Tensor, where: str) -> np.ndarray:
+def _tensor(message: pb.Tensor, where: str, length: int) -> np.ndarray:
+    """A per-token input of a datum with ``length`` model input tokens: dense, 1-D, ``length``
+    values. Everything is checked against ``length`` before any array is made, so no claimed
+    shape makes the server allocate more than the body already holds."""
     dtype = _PROTO_DTYPES.get(message.dtype)
     if dtype is None:
         raise WireError(f"{where}: dtype {_DTYPE_NAMES.get(message.dtype, message.dtype)!r} is not accepted "
                         "(float32 or int64)")
+    # The SDK writes CSR only for 2-D tensors (TensorData.from_torch_sparse); every input here is
+    # 1-D, so a sparse tensor cannot be one: refused by name, its buffers never read.
     if message.WhichOneof("encoding") == "sparse_csr":
-        return _dense_from_csr(message, dtype, where)
-    if len(message.dense) % dtype.itemsize:
-        raise WireError(f"{where}: {len(message.dense)} bytes is not a whole number of {dtype.name} values")
-    values = np.frombuffer(message.dense, dtype=dtype)
-    shape = list(message.shape) or [values.size]
-    if int(np.prod(shape)) != values.size:
-        raise WireError(f"{where}: shape {shape} does not hold {values.size} values")
-    return values.reshape(shape)
-
-
-def _dense_from_csr(message: pb.Tensor, dtype: np.dtype, where: str) -> np.ndarray:
+        raise WireError(f"{where}: a sparse (CSR) tensor is not accepted; every per-token input is dense and 1-D "
+                        f"(shape [{length}], one value per model input token)")
     shape = list(message.shape)
-    if len(shape) != 2:
-        raise WireError(f"{where}: a sparse tensor needs a 2-D shape, got {shape}")
-    csr = message.sparse_csr
-    try:
-        values = np.frombuffer(csr.values, dtype=dtype)
-        rows = np.frombuffer(csr.crow_indices, dtype=np.int64)
-        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
-    except ValueError as error:
-        raise WireError(f"{where}: sparse tensor bytes are malformed ({error})") from None
-    if len(rows) != shape[0] + 1 or len(cols) != len(values) or (len(rows) and rows[-1] != len(values)) \
-            or (len(cols) and (cols.min() < 0 or cols.max() >= shape[1])) or np.any(np.diff(rows) < 0):
-        raise WireError(f"{where}: sparse tensor indices do not fit shape {shape}")
-    dense = np.zeros(shape, dtype=dtype)
-    for row in range(shape[0]):
-        dense[row, cols[rows[row]:rows[row + 1]]] = values[rows[row]:rows[row + 1]]
-    return dense
+    if any(dim < 0 for dim in shape):
+        raise WireError(f"{where}: shape {shape} has a negative dimension; expected [{length}]")
+    if shape and shape != [length]:
+        raise WireError(f"{where}: shape {shape}, expected [{length}] (one value per model input token)")
+    dense = message.dense
+    if len(dense) != length * dtype.itemsize:
+        raise WireError(f"{where}: {len(dense)} bytes of {dtype.name}, expected {length} values "
+                        f"({length * dtype.itemsize} bytes, one per model input token)")
+    return np.frombuffer(dense, dtype=dtype)
 
 
-def _tokens(datum: pb.Datum, where: str) -> np.ndarray:
-    pieces = []
+def _tokens(datum: pb.Datum, where: str, context: int | None) -> np.ndarray:
+    count = 0
     for index, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
@@ -126,24 +123,44 @@ def _tokens(datum: pb.Datum, where: str) -> np.ndarray:
                             f"(got {kind or 'an empty chunk'}; this server trains text models)")
         if len(chunk.encoded_text.tokens) % 4:
             raise WireError(f"{where}.model_input[{index}]: token bytes are not int32 values")
-        pieces.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
-    tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
-    if tokens.size == 0:
+        count += len(chunk.encoded_text.tokens) // 4
+    if count == 0:
         raise WireError(f"{where}.model_input: no tokens")
-    return tokens
+    # The model sees the N input tokens and the last target: N + 1 positions.
+    if context is not None and count + 1 > context:
+        raise WireError(f"{where}: {count} model input tokens (plus the last target: {count + 1} positions) are "
+                        f"more than the model's context of {context} tokens; at most {context - 1} input tokens")
+    return np.concatenate([np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)
+                           for chunk in datum.model_input]).astype(np.int64)
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
-    """A ``ForwardBackwardRequest`` body (already decompressed) as plain arrays, every datum
-    checked against its loss: known loss and options, the inputs it needs with the right
-    dtypes, each of the model input's length, token ids that are not negative."""
+def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    """The message of a ``ForwardBackwardRequest`` body (already decompressed), with the ids
+    it names checked; its datums are checked by :func:`decode_forward_backward`."""
     message = pb.ForwardBackwardRequest()
+    try:
+        check_parse_budget(message.DESCRIPTOR, body, MAX_PARSE_ITEMS)
+    except ParseBudgetError as error:
+        raise WireError(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({error})") from None
     try:
         message.ParseFromString(body)
     except DecodeError as error:
         raise WireError(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({error})") from None
     if not message.model_id:
         raise WireError("forward_backward: model_id is missing")
+    if message.seq_id < 0:
+        raise WireError(f"forward_backward: seq_id {message.seq_id} is negative (expected >= 1, or 0 for none)")
+    return message
+
+
+def decode_forward_backward(message: pb.ForwardBackwardRequest | bytes, context: int | None = None
+                            ) -> ForwardBackwardCall:
+    """A ``ForwardBackwardRequest`` as plain arrays, every datum checked against its loss and
+    the model: known loss and options, at most :data:`MAX_DATUMS` datums, each within the
+    model's ``context`` (tokens), the inputs it needs, dense with the right dtypes and one value
+    per input token, token ids that are not negative."""
+    if isinstance(message, bytes):
+        message = parse_forward_backward(message)
     loss = message.loss_fn
     if loss not in SUPPORTED_LOSSES:
         raise WireError(unsupported_loss_message(loss))
@@ -151,24 +168,24 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     config = loss_config(message, loss, options)
     if not message.data:
         raise WireError("forward_backward: data is empty")
+    if len(message.data) > MAX_DATUMS:
+        raise WireError(f"forward_backward: {len(message.data)} datums in one request; at most {MAX_DATUMS} "
+                        "(the SDK splits larger calls into chunks of that many)")
     data = []
     for index, raw in enumerate(message.data):
         where = f"data[{index}]"
         # Provenance spans (model_input_spans / loss_fn_input_spans) are ignored: only the loss
         # 'stable_reinforce' reads them, and it is refused above. The cookbook's RL loop attaches
         # them to every datum whose tokens were sampled here, whatever the loss.
-        tokens = _tokens(raw, where)
+        tokens = _tokens(raw, where, context)
         inputs = {}
         for name, tensor in raw.loss_fn_inputs.items():
             if name not in INPUT_DTYPES:
                 raise WireError(f"{where}.loss_fn_inputs: unknown input {name!r} (known: {', '.join(INPUT_DTYPES)})")
-            array = _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]")
+            array = _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", tokens.size)
             if array.dtype.name != INPUT_DTYPES[name]:
                 raise WireError(f"{where}.loss_fn_inputs[{name!r}]: dtype {array.dtype.name}, expected "
                                 f"{INPUT_DTYPES[name]}")
-            if array.shape != tokens.shape:
-                raise WireError(f"{where}.loss_fn_inputs[{name!r}]: shape {list(array.shape)}, expected "
-                                f"[{tokens.size}] (one value per model input token)")
             inputs[name] = array
         missing = [name for name in ("target_tokens", *needed) if name not in inputs]
         if missing:
@@ -199,16 +216,6 @@ def loss_config(message: pb.ForwardBackwardRequest, loss: str, options: Mapping[
         raise WireError("loss_fn_config: expected 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
                         f"{config['clip_low_threshold']} and {config['clip_high_threshold']}")
     return config
-
-
-def peek_ids(body: bytes) -> tuple[str, int | None]:
-    """``(model_id, seq_id)`` of a body that may be invalid otherwise ("", None if unreadable)."""
-    message = pb.ForwardBackwardRequest()
-    try:
-        message.ParseFromString(body)
-    except DecodeError:
-        return "", None
-    return message.model_id, message.seq_id or None
 
 
 # -- results -----------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""What the API process knows about a served model without loading it (no torch): its
+context length from ``config.json`` and the size of its weight files on disk.
+
+The context bounds a training datum at submit; the size is the basis of the admission
+estimate of a new model's memory (:func:`estimated_model_bytes`). A model whose folder is not
+there yet (the tiny model before its first build, a hub name not in the local cache) has
+unknown facts: then only the checks that need them are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentinker.server.policy import ServedModel
+
+log = logging.getLogger("opentinker.server.tinker")
+
+#: Memory of a live model per byte of its weight files: LoRA holds the frozen weights plus
+#: small adapters and their optimizer state; full fine-tuning holds weights, gradients and
+#: Adam's two moments. Estimates: activations and allocator overhead come on top.
+LORA_FACTOR = 1.25
+FULL_FACTOR = 4.0
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    context: int | None  # max_position_embeddings (tokens), None: unknown
+    weight_bytes: int | None  # size of the weight files, None: unknown
+
+
+def _folder(model: ServedModel) -> Path | None:
+    if model.path is None:
+        from opentinker.engine.tiny import tiny_model_dir  # no torch: only where the cache puts it
+
+        return tiny_model_dir()
+    local = Path(os.path.expanduser(model.path))
+    if local.is_dir():
+        return local
+    try:  # a hub name: its snapshot in the local cache, if any (never a download)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model.path, local_files_only=True))
+    except Exception:
+        return None
+
+
+def _context(config: dict) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _weight_bytes(folder: Path) -> int | None:
+    files = [f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES]
+    # A folder may hold the same weights twice (safetensors and .bin): count one format.
+    safetensors = [f for f in files if f.suffix == ".safetensors"]
+    chosen = safetensors or files
+    return sum(f.stat().st_size for f in chosen) if chosen else None
+
+
+class ModelFactsCache:
+    """Facts per served model, read once they can be read (unknown ones are read again later)."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, ModelFacts] = {}
+
+    def get(self, model: ServedModel) -> ModelFacts:
+        known = self._known.get(model.name)
+        if known is not None:
+            return known
+        facts = read_model_facts(model)
+        if facts.context is not None and facts.weight_bytes is not None:
+            self._known[model.name] = facts
+        return facts
+
+
+def read_model_facts(model: ServedModel) -> ModelFacts:
+    folder = _folder(model)
+    if folder is None or not (folder / "config.json").is_file():
+        return ModelFacts(None, None)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return ModelFacts(_context(config) if isinstance(config, dict) else None, _weight_bytes(folder))
+    except (OSError, ValueError) as error:
+        log.warning("tinker: cannot read the facts of model %s from %s: %s", model.name, folder, error)
+        return ModelFacts(None, None)
+
+
+def estimated_model_bytes(facts: ModelFacts, lora: bool) -> int | None:
+    """The admission estimate of a live model's memory, or None when its size is unknown."""
+    if facts.weight_bytes is None:
+        return None
+    return int(facts.weight_bytes * (LORA_FACTOR if lora else FULL_FACTOR))
