@@ -151,8 +151,13 @@ DEFAULTS: dict[str, Any] = {
         "default_local_dir": None,  # where checkpoints go; None = no checkpoints
         "seed": 0,
         "progress_bar": True,
-        # A step whose every trajectory failed before the model spoke (e.g. the env server is
-        # down) is skipped and counted; this many in a row fail the job, naming the env error.
+        # A step with nothing to train on because an env server could not be reached
+        # (connection refused, timeout, 502/503/504) is redone once its /health answers; the
+        # job fails after waiting this long for it (seconds; 0 = fail at once).
+        "env_outage_timeout_s": 300.0,
+        # A step with nothing to train on though its env servers answer (errors of the env's
+        # own, e.g. HTTP 500; prompts too long) is skipped and counted; this many in a row
+        # fail the job, naming the env error.
         "max_consecutive_empty_steps": 3,
         # auto: continue from the newest checkpoint in default_local_dir, if any; disable;
         # or the path of a global_step_<k> folder (verl's key)
@@ -272,6 +277,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "trainer.test_freq": (-1, 100_000),
     "trainer.seed": (0, _INT31),
     "trainer.max_consecutive_empty_steps": (1, 1000),
+    "trainer.env_outage_timeout_s": (0, 3600),  # a job holds its GPUs while it waits
 }
 _ABOVE_LOW = {
     "actor_rollout_ref.model.lora_alpha",

@@ -14,24 +14,27 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from opentinker.environments.registry import InteractionSpec
+from opentinker.json_value import MAX_INT, MAX_JSON_INT, JsonObject
 
 API_PREFIX = "/v1"
 PROTOCOL_VERSION = 1
 
 MAX_JSON_DEPTH = 32  # nesting of objects and arrays in a request body
-MAX_INT = 2**63 - 1  # what SQLite (and every int64 on the way) can hold
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
 CHECKPOINT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 MAX_NAME_CHARS = 200
 
 
-def wire_problem(value: Any, path: str = "", depth: int = 0) -> str | None:
+def wire_problem(value: Any, path: str = "", depth: int = 0, limit: int = MAX_JSON_INT) -> str | None:
     """What makes a decoded JSON value unsafe to store and send back, or None.
 
     JSON admits values that break later: a lone surrogate (``"\\ud800"``) cannot be encoded
     as UTF-8, so every later answer that includes it fails; integers past int64 do not fit
     SQLite; ``NaN`` and ``Infinity`` are not JSON at all; and deep nesting exhausts the
     stack of whatever walks it next. Checking here turns each into a 422 naming the field.
+    Every number, integer or not, must lie within +-``limit`` (the main API: I-JSON's
+    2**53 - 1, which its OpenAPI document states as ``json_value.JsonValue``; JSON Schema
+    cannot tell ``1e20`` from an integer, so floats are bounded too).
     """
     where = path or "body"
     if isinstance(value, str):
@@ -43,20 +46,22 @@ def wire_problem(value: Any, path: str = "", depth: int = 0) -> str | None:
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
-        return None if -MAX_INT - 1 <= value <= MAX_INT else f"{where}: integer out of the 64-bit range"
+        return None if -limit <= value <= limit else f"{where}: {value} is out of range (at most {limit} in magnitude)"
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{where}: {value} is not a finite number"
+        if not math.isfinite(value):
+            return f"{where}: {value} is not a finite number"
+        return None if -limit <= value <= limit else f"{where}: {value:g} is out of range (at most {limit} in magnitude)"
     if isinstance(value, (dict, list)):
         if depth >= MAX_JSON_DEPTH:
             return f"{where}: nested deeper than {MAX_JSON_DEPTH} levels"
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str):
-                problem = wire_problem(key, f"{where} (a key)", depth)
+                problem = wire_problem(key, f"{where} (a key)", depth, limit)
                 if problem:
                     return problem
             child = f"{path}.{key}" if isinstance(key, str) and path else f"{path}[{key}]" if path else str(key)
-            problem = wire_problem(item, child, depth + 1)
+            problem = wire_problem(item, child, depth + 1, limit)
             if problem:
                 return problem
     return None
@@ -101,10 +106,11 @@ class JobCreate(_Request):
 
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     mode: JobMode = "server"
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: JsonObject = Field(default_factory=dict)
     interactions: list[InteractionSpec] = Field(default_factory=list)
-    dataset: list[dict[str, Any]] | None = None  # train rows (server mode); None = built-in data.task
-    val_dataset: list[dict[str, Any]] | None = None
+    # Train rows (server mode); None = the built-in data.task.
+    dataset: list[JsonObject] | None = Field(None, min_length=1)
+    val_dataset: list[JsonObject] | None = Field(None, min_length=1)
 
 
 class JobCreated(_Model):
@@ -153,8 +159,8 @@ class StepBatch(_Request):
     answered with the original acknowledgement.
     """
 
-    step: int = Field(ge=1, le=MAX_INT)
-    rows: list[dict[str, Any]] = Field(min_length=1)
+    step: int = Field(ge=1, le=MAX_JSON_INT)
+    rows: list[JsonObject] = Field(min_length=1)
 
 
 class StepAccepted(_Model):

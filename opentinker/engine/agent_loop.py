@@ -150,6 +150,7 @@ class _Run:
         self.env_calls = 0
         self.error: str | None = None
         self.error_url: str | None = None
+        self.env_unreachable = False  # the env error was an outage (EnvironmentServerError.unreachable)
 
     async def execute(self) -> Trajectory:
         try:
@@ -238,6 +239,7 @@ class _Run:
 
     def _env_failed(self, error: EnvironmentServerError) -> None:
         self.error, self.error_url = str(error), error.url
+        self.env_unreachable = error.unreachable
         self._stop("env_error")
 
     @property
@@ -297,6 +299,6 @@ class _Run:
             stop_reason=self.stop_reason,
             messages=self.messages,
             info={"env_seconds": self.env_seconds, "env_calls": self.env_calls, "error": self.error,
-                  "error_url": self.error_url},
+                  "error_url": self.error_url, "env_unreachable": self.env_unreachable},
             excluded=self.excluded,
         )

@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.rollout import AsyncCompletions, Completion, RequestBatcher, SamplingParams
-from opentinker.environments.interaction import Interaction
+from opentinker.environments.gym_interaction import check_endpoint
+from opentinker.environments.interaction import EnvironmentServerError, Interaction
 from opentinker.environments.registry import select_interaction
 
 if TYPE_CHECKING:
@@ -75,6 +76,22 @@ class AgentLoopRunner:
         # The n samples of a prompt share its environment seed, so GRPO compares like with like.
         kwargs.setdefault("seed", zlib.crc32(prompt.uid.encode()))
         return await loop.run(prompt.row.get("prompt"), interaction, kwargs), name
+
+    def probe_health(self, urls: Sequence[str], timeout_s: float) -> dict[str, str | None]:
+        """``GET {url}/health`` of each env server, concurrently: ``{url: None}`` when it answered
+        2xx, else the error text. Run on the loops' own event loop, like the env calls."""
+
+        async def probe(url: str) -> str | None:
+            try:
+                await check_endpoint(url, timeout_s)
+            except EnvironmentServerError as error:
+                return str(error)
+            return None
+
+        async def probe_all() -> list[str | None]:
+            return await asyncio.gather(*(probe(url) for url in urls))
+
+        return dict(zip(urls, asyncio.run_coroutine_threadsafe(probe_all(), self._loop).result()))
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -7,8 +7,11 @@ weights) that the PPO recipe (``engine/ppo.py``) drives, and the ``RolloutEngine
 
 Samples that cannot be trained on (excluded trajectories: env errors without an
 ``env_error_reward``, env prompts that are too long; and any whose env failed before the
-model spoke) leave the batch before advantages. A step left with nothing is skipped: it
-still counts (``global_step`` advances; ``train/skipped``, ``skip_reason``), and
+model spoke) leave the batch before advantages. A step left with nothing because an env
+server could not be reached is waited out and redone, not skipped (``engine/env_outage.py``;
+``trainer.env_outage_timeout_s``). A step left with nothing for any other reason (the env
+answered with errors of its own, prompts too long) is skipped: it still counts
+(``global_step`` advances; ``train/skipped``, ``skip_reason``), and
 ``trainer.max_consecutive_empty_steps`` skipped steps in a row raise
 :class:`EnvironmentUnavailableError`.
 """
@@ -38,6 +41,9 @@ from opentinker.engine.algorithms import get_advantage_estimator, masked_mean
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
+from opentinker.engine.env_outage import (
+    PROBE_TIMEOUT_S, EnvironmentUnavailableError, EnvOutage, unreachable_endpoints,
+)
 from opentinker.engine.model_loading import (
     eos_token_ids,
     load_causal_lm,
@@ -56,12 +62,6 @@ if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-class EnvironmentUnavailableError(RuntimeError):
-    """Too many training steps in a row had nothing to train on, because every sample's
-    environment failed (or wrote a prompt that is too long). The message names the env
-    endpoints and the last error."""
 
 
 @dataclass
@@ -167,6 +167,10 @@ class RLTrainer:
         self.skipped_steps = 0  # steps with nothing to train on, in all
         self.consecutive_skipped_steps = 0
         self.resumed_from: Path | None = None
+        # Set by whoever drives the trainer (the job runner: warning events; cancel raises):
+        # a step waiting out an env outage warns and checks for a cancel while it waits.
+        self.on_warning: Callable[[str], None] = _print_warning
+        self.check_cancelled: Callable[[], None] = lambda: None
         self.wandb_run = start_wandb(cfg) if "wandb" in cfg.trainer.logger else None
         if self.strategy_judge is None and cfg.algorithm.enable_solution_classification:
             self.strategy_judge = judge_from_config(cfg, self.model_path)
@@ -307,20 +311,26 @@ class RLTrainer:
     def step(self, rows: Sequence[dict] | None = None) -> dict[str, Any]:
         """One training step on ``rows`` (a client-pushed batch) or on the next loader batch.
 
-        A step with no trainable sample is skipped (see :meth:`skip_step`); the metrics
-        always have ``train/skipped`` (1.0 or 0.0) and ``train/skipped_total``.
+        A step with nothing to train on because an env server could not be reached is
+        redone once it answers again (:meth:`rollout_through_outages`); one with no trainable
+        sample for another reason is skipped (see :meth:`skip_step`). The metrics always have
+        ``train/skipped`` (1.0 or 0.0), ``train/skipped_total`` and ``train/env_outage_wait_s``.
         """
         timer = Timer()
         with timer.phase("step"):
+            # Drawn once: a step redone after an outage trains on the same prompts, and the
+            # loader (whose position a checkpoint saves) advances once per step as always.
             prompts = next(self.loader) if rows is None else self.tokenize_batch(rows)
-            with timer.phase("rollout"):
-                full_rollout = self.generate(prompts, self.cfg.actor_rollout_ref.rollout.n)
+            full_rollout, outage = self.rollout_through_outages(prompts, timer)
             # Removed before advantages, so excluded samples never shift a group's mean or std.
             rollout = full_rollout.keep(full_rollout.trainable())
             if rollout.trajectories:
                 batch, train_metrics = self.train_on(rollout, timer)
+        waited = timer.seconds.get("env_outage_wait", 0.0)  # sleeping and probing, not the failed tries
+        outage_metrics = {"train/env_outage_wait_s": waited,
+                          "train/env_outage_retries": float(outage.tries if outage else 0)}
         if not rollout.trajectories:
-            return self.skip_step(full_rollout, timer)
+            return {**self.skip_step(full_rollout, timer), **outage_metrics}
         self.global_step += 1
         self.consecutive_skipped_steps = 0
         return {
@@ -328,11 +338,47 @@ class RLTrainer:
             **environment_metrics(full_rollout),
             **train_metrics,
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
-            "perf/tokens_per_s": self.token_count(batch) / timer.seconds["step"],
+            "perf/tokens_per_s": self.token_count(batch) / (timer.seconds["step"] - waited),  # the wait is no work
             "rollout/excluded_trajectories": float(len(full_rollout.trajectories) - len(rollout.trajectories)),
             "train/skipped": 0.0,
             "train/skipped_total": float(self.skipped_steps),
+            **outage_metrics,
         }
+
+    def rollout_through_outages(self, prompts: Sequence[Prompt], timer: Timer) -> tuple[Rollout, EnvOutage | None]:
+        """The step's rollout; while it has nothing to train on because env servers could not
+        be reached, wait until their /health answers (:class:`EnvOutage`, at most
+        ``trainer.env_outage_timeout_s``, then :class:`EnvironmentUnavailableError`) and redo it.
+
+        A redo has the step's prompts (drawn once by :meth:`step`; env seeds follow from them)
+        and the sampler's random state at the first try, so it samples as the step would have
+        without the outage. Checkpoints fall between steps, so none holds a half-waited step:
+        a run resumed after an outage numbers and draws its steps as an unbroken one.
+        """
+        get_rng, set_rng = getattr(self.rollout, "rng_state", None), getattr(self.rollout, "set_rng_state", None)
+        rng_at_start = get_rng() if callable(get_rng) and callable(set_rng) else None
+        outage: EnvOutage | None = None
+        while True:
+            with timer.phase("rollout"):
+                full_rollout = self.generate(prompts, self.cfg.actor_rollout_ref.rollout.n)
+            if full_rollout.trainable():
+                break
+            down = unreachable_endpoints(full_rollout.trajectories, full_rollout.interaction_names)
+            if not down:
+                break  # empty, but the envs answered: redoing it would fail alike (skip_step)
+            if outage is None:
+                outage = EnvOutage(self.global_step + 1, self.cfg.trainer.env_outage_timeout_s,
+                                   lambda urls: self.agent_loops.probe_health(urls, PROBE_TIMEOUT_S),
+                                   self.on_warning, self.check_cancelled)
+            last_error = next((t.info["error"] for t in reversed(full_rollout.trajectories)
+                               if t.info.get("env_unreachable")), "")
+            with timer.phase("env_outage_wait"):
+                outage.wait(down, last_error)
+            if rng_at_start is not None:
+                set_rng(rng_at_start)
+        if outage is not None:
+            outage.resumed()
+        return full_rollout, outage
 
     def train_on(self, rollout: Rollout, timer: Timer) -> tuple[TokenBatch, dict[str, float]]:
         """Old/ref logprobs, advantages, the update and the weight sync for ``rollout``."""
@@ -356,10 +402,13 @@ class RLTrainer:
         return batch, {**adv_metrics, **update_metrics}
 
     def skip_step(self, full_rollout: Rollout, timer: Timer) -> dict[str, Any]:
-        """A step with nothing to train on: counted as a step (client-mode jobs index steps by
-        number) with ``train/skipped`` 1.0 and ``skip_reason`` (a string naming the env
-        endpoints and the last error); the ``max_consecutive_empty_steps``-th in a row raises
-        :class:`EnvironmentUnavailableError` instead."""
+        """A step with nothing to train on though its env servers answer (they answered with
+        errors of their own, e.g. HTTP 500 from a broken env; or every prompt was too long):
+        counted as a step (client-mode jobs index steps by number) with ``train/skipped`` 1.0
+        and ``skip_reason`` (a string naming the env endpoints and the last error); the
+        ``max_consecutive_empty_steps``-th in a row raises :class:`EnvironmentUnavailableError`
+        instead. Redoing such a step would fail the same way; an outage is waited out instead
+        (:meth:`rollout_through_outages`)."""
         reason = failure_summary(full_rollout.trajectories, full_rollout.interaction_names)
         self.consecutive_skipped_steps += 1
         limit = self.cfg.trainer.max_consecutive_empty_steps
@@ -609,6 +658,12 @@ def start_wandb(cfg: DictConfig):
         ) from error
     return wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
                       config=OmegaConf.to_container(cfg, resolve=True))
+
+
+def _print_warning(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"warning: {message}")  # above a progress bar, if one is drawn
 
 
 def _format(metrics: dict[str, float]) -> str:

@@ -25,7 +25,9 @@ not. A retried ``/step`` carries the same ``step`` index, so a server built with
 :func:`~opentinker.environments.server.serve_environment` answers a retry whose first
 answer was lost with that stored answer instead of stepping twice. A server that ignores
 the index may still apply a retried step twice; keep ``retries`` at 0 for those where
-that matters.
+that matters. When the retries are spent, ``EnvironmentServerError.unreachable`` says
+whether the server could not be reached (connection error, timeout, 502/503/504) rather
+than answered with an error of its own: a training step waits the former out.
 
 Error messages quote an answer's text only when it has the protocol's error shape
 ``{"error": "<text>", ...}`` (truncated); otherwise they give its status, content type and
@@ -231,7 +233,16 @@ class _Instance:
 
 
 class _Retryable(Exception):
-    pass
+    """A failure worth retrying; ``unreachable`` as in EnvironmentServerError."""
+
+    def __init__(self, message: str, unreachable: bool):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+#: Answers that say "not here right now" (a proxy without its backend, a server starting or
+#: draining) rather than "my code failed": the env is unreachable, as when nothing listens.
+_UNAVAILABLE_STATUSES = (502, 503, 504)
 
 
 class GymEnvironmentInteraction(Interaction):
@@ -256,6 +267,9 @@ class GymEnvironmentInteraction(Interaction):
 
     Requests never read proxy settings from the environment and never follow redirects.
     """
+
+    config_keys = frozenset({"env_endpoint", "env_shards", "max_steps", "observation_template", "timeout_s",
+                             "retries", "backoff_s", "max_connections", "env_kwargs", "trust_env", "job_id"})
 
     def __init__(self, config: dict[str, Any], context: InteractionContext | None = None):
         super().__init__(config)
@@ -337,13 +351,13 @@ class GymEnvironmentInteraction(Interaction):
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
             raise EnvironmentServerError(url, f"{type(exc).__name__}: {exc}") from exc
         except httpx.TimeoutException as exc:
-            raise _Retryable(f"timed out after {self.timeout_s:g}s ({type(exc).__name__})") from exc
+            raise _Retryable(f"timed out after {self.timeout_s:g}s ({type(exc).__name__})", True) from exc
         except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc or 'connection failed'}") from exc
+            raise _Retryable(f"{type(exc).__name__}: {exc or 'connection failed'}", True) from exc
         except httpx.HTTPError as exc:  # e.g. a body that cannot be decoded
             raise EnvironmentServerError(url, f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
-            raise _Retryable(_reply_problem(response))
+            raise _Retryable(_reply_problem(response), response.status_code in _UNAVAILABLE_STATUSES)
         if 300 <= response.status_code < 400:
             raise EnvironmentServerError(url, f"HTTP {response.status_code}: redirects are not followed")
         if response.status_code >= 400:
@@ -372,7 +386,7 @@ class GymEnvironmentInteraction(Interaction):
         except RetryError as spent:
             exc, attempts = spent.last_attempt.exception(), spent.last_attempt.attempt_number
             tries = f" (after {attempts} attempts)" if attempts > 1 else ""
-            raise EnvironmentServerError(url, f"{exc}{tries}") from exc.__cause__
+            raise EnvironmentServerError(url, f"{exc}{tries}", unreachable=exc.unreachable) from exc.__cause__
 
     # Interaction API ---------------------------------------------------------------
 

@@ -46,15 +46,21 @@ class EnvironmentServerError(RuntimeError):
 
     The agent loop catches it and ends the trajectory with stop reason ``"env_error"``
     instead of failing the whole training step.
+
+    ``unreachable``: the server could not be reached or said it is unavailable (connection
+    error, timeout, HTTP 502/503/504), as opposed to one that answered with an error of its
+    own (e.g. a 500 from the env's code). A training step left with nothing to train on by
+    such errors is waited out and redone rather than skipped (``trainer.env_outage_timeout_s``).
     """
 
-    def __init__(self, url: str, cause: object = "unknown error"):
+    def __init__(self, url: str, cause: object = "unknown error", unreachable: bool = False):
         self.url = str(url)
         self.cause = str(cause)
+        self.unreachable = bool(unreachable)
         super().__init__(f"environment server {self.url} failed: {self.cause}")
 
-    def __reduce__(self):  # keep (url, cause) across pickling (e.g. to another process)
-        return (type(self), (self.url, self.cause))
+    def __reduce__(self):  # keep (url, cause, unreachable) across pickling (e.g. to another process)
+        return (type(self), (self.url, self.cause, self.unreachable))
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,11 @@ class Interaction(ABC):
     The caller picks the instance id, so an instance whose start failed half-way (a /reset
     whose answer was lost) can still be finalized.
     """
+
+    #: The config keys the class reads (``name`` is always allowed): the registry refuses a
+    #: spec with any other key, so a misspelt option is an error, not silently a default.
+    #: None: any keys (a class that passes its config on).
+    config_keys: frozenset[str] | None = None
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config: dict[str, Any] = dict(config or {})

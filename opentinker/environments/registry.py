@@ -18,11 +18,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.interaction import Interaction, InteractionContext
 from opentinker.environments.text_interactions import Gsm8kInteraction, SimpleTextEnvironment
+from opentinker.json_value import JsonObject
 
 __all__ = [
     "BUILTIN_ALIASES",
@@ -33,6 +34,8 @@ __all__ = [
     "select_interaction",
 ]
 
+INTERACTION_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$"
+CLASS_PATH = r"^[A-Za-z_][A-Za-z0-9_.]{0,255}$"
 _DOTTED_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
@@ -48,21 +51,14 @@ class InteractionSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(min_length=1, description="the name dataset rows use to pick this interaction")
+    # Patterns rather than "not blank": the OpenAPI document then says exactly what is taken.
+    name: str = Field(pattern=INTERACTION_NAME, description="the name dataset rows use to pick this interaction")
     class_path: str = Field(
-        min_length=1,
+        pattern=CLASS_PATH,
         validation_alias=AliasChoices("class_path", "class_name"),
         description="a registered alias or an allowed dotted path of an Interaction subclass",
     )
-    config: dict[str, Any] = Field(default_factory=dict, description="passed to the class's constructor")
-
-    @field_validator("name", "class_path")
-    @classmethod
-    def _strip(cls, value: str) -> str:
-        value = value.strip()
-        if not value:
-            raise ValueError("must not be blank")
-        return value
+    config: JsonObject = Field(default_factory=dict, description="passed to the class's constructor")
 
 
 def _own_path(cls: type) -> str:
@@ -172,6 +168,12 @@ class InteractionRegistry:
         if duplicates:
             raise ValueError(f"duplicate interaction names: {duplicates}")
         classes = [self.resolve(spec.class_path) for spec in parsed]
+        for spec, cls in zip(parsed, classes):
+            known = cls.config_keys
+            unknown = sorted(set(spec.config) - known - {"name"}) if known is not None else []
+            if unknown:
+                raise ValueError(f"config: unknown key(s) {unknown} for {spec.class_path} (it takes: "
+                                 f"{', '.join(sorted(known))})")
         return {
             spec.name: cls.create({**spec.config, "name": spec.name}, context) for spec, cls in zip(parsed, classes)
         }

@@ -81,6 +81,9 @@ class SimpleTextEnvironment(_GradedInteraction):
     ``calculate_score`` is the sum of the per-answer rewards.
     """
 
+    config_keys = frozenset({"scorer", "pattern", "max_attempts", "feedback", "correct_message", "final_message",
+                             "correct_reward", "incorrect_reward"})
+
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)
         cfg = self.config
@@ -135,6 +138,8 @@ class Gsm8kInteraction(_GradedInteraction):
     solved in any turn, else 0.0. The ground truth may be a number or a full GSM8K
     solution ending in ``#### <number>``.
     """
+
+    config_keys = frozenset({"extraction", "max_turns", "feedback", "correct_message", "final_message"})
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 import opentinker
 from opentinker.environments.registry import default_registry
+from opentinker.json_value import add_json_value_schema
 from opentinker.protocol import API_PREFIX
 from opentinker.server import dashboard
 from opentinker.server.errors import install_error_handlers
@@ -39,6 +40,13 @@ log = logging.getLogger("opentinker.server")
 def interrupted_reason(now: dt.datetime | None = None) -> str:
     now = now or dt.datetime.now(dt.timezone.utc)
     return f"the server stopped while this job was running (restarted at {now.isoformat(timespec='seconds')})"
+
+
+def _document(app: FastAPI, settings: ServerSettings) -> dict:
+    """The OpenAPI document, with the bounds that are this server's settings (not the models')."""
+    document = add_json_value_schema(FastAPI.openapi(app))
+    document["components"]["schemas"]["StepBatch"]["properties"]["rows"]["maxItems"] = settings.max_rows_per_step
+    return document
 
 
 def create_app(settings: ServerSettings | None = None, *, runner_cls: type | None = None) -> FastAPI:
@@ -84,6 +92,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         "`{\"error\": ..., \"detail\": ...}` with the status saying what kind.",
         lifespan=lifespan,
     )
+    app.openapi = lambda: app.openapi_schema or _document(app, settings)
     app.state.settings = settings
     app.state.registry = registry
     app.state.step_locks = {}

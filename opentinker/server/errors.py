@@ -36,12 +36,15 @@ class ApiError(Exception):
 
 
 _ERROR_DESCRIPTIONS = {
-    400: "the request names something this server does not allow (e.g. an interaction class)",
+    # The rule: 422 only for what this document says (types, bounds, patterns), so a request
+    # the document allows is never a 422; 400 for what it cannot say.
+    400: "the request fits the schema but not this server: something it does not allow (an interaction "
+         "class, a config key or value) or content it cannot train on (a dataset row); the message names the field",
     401: "missing, invalid or revoked API key",
     404: "no such resource among the caller's own",
     409: "the request conflicts with the resource's state",
     413: "the request body is larger than the server accepts",
-    422: "invalid request: the message names the field",
+    422: "the request does not fit this document's schema; the message names the field",
     429: "over a limit of this server; retry after Retry-After seconds",
     500: "internal server error",
     503: "a job's runner did not answer in time; retry after Retry-After seconds",

@@ -101,6 +101,9 @@ class JobRunner:
         try:
             trainer = self._build_trainer()
             self._trainer = trainer
+            # A step waiting out an env outage says so as it waits, and stops for a cancel.
+            trainer.on_warning = lambda message: self._emit("log", {"level": "warning", "message": message})
+            trainer.check_cancelled = self._raise_if_cancelled
             total = trainer.cfg.trainer.total_training_steps
             # The served name, never the path: where a model lives is the operator's business.
             name = self.policy.served_model(flatten(self.spec.config).get("actor_rollout_ref.model.path")).name
@@ -155,6 +158,10 @@ class JobRunner:
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id))
         return RLTrainer(cfg, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
                          interactions=interactions or None)
+
+    def _raise_if_cancelled(self) -> None:
+        if self._cancel.is_set():
+            raise JobCancelled
 
     def _next_rows(self, step: int) -> list[dict] | None:
         """Server mode: None (the trainer's own loader). Client mode: the pushed batch for ``step``."""

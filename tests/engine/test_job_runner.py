@@ -88,9 +88,10 @@ def test_gpu_jobs_reserve_gpus_for_their_actor():
     assert JobRunner.ray_actor_options({"config": fsdp}) == {}  # its ranks reserve the GPUs
 
 
-def test_an_env_outage_skips_steps_with_events_then_fails_naming_the_endpoint(tiny_model_dir, tmp_path):
+def test_an_env_answering_500_skips_steps_with_events_then_fails_naming_the_endpoint(tiny_model_dir, tmp_path):
     """The audit's held-out run: an env whose /reset answers 500 failed the job at step 0 with
-    ``IndexError: max(): Expected reduction dim 1 to have non-zero size.``"""
+    ``IndexError: max(): Expected reduction dim 1 to have non-zero size.`` (An env server that
+    cannot be reached is waited for instead: tests/engine/test_trainer_env_outage.py.)"""
     from opentinker.environments.endpoints import EndpointPolicy
     from opentinker.environments.games import ArithmeticEnv
     from opentinker.environments.server import running_env_server

@@ -34,7 +34,7 @@ from opentinker.environments.server import create_env_app, running_app_servers
 SLOW_SECONDS = 1.0
 SECRET = "SECRET-TOKEN-of-another-service"
 MODES = ("ok", "flaky", "flakystep", "err500", "err400", "slow", "badjson", "list", "missing", "missingstep",
-         "html500", "proto400", "longerror", "redirect")
+         "html500", "proto400", "longerror", "redirect", "err503")
 
 
 def make_app(server_id: str, mode: str, state: SimpleNamespace) -> FastAPI:
@@ -51,6 +51,8 @@ def make_app(server_id: str, mode: str, state: SimpleNamespace) -> FastAPI:
             return error(500, "internal error")
         if mode == "err400":
             return error(400, "bad request")
+        if mode == "err503":  # e.g. a proxy whose env server is gone
+            return error(503, "service unavailable")
         if mode == "html500":  # some other service behind an allowed endpoint
             return Response(f"<html><body>{SECRET}</body></html>", status_code=500, media_type="text/html")
         if mode == "proto400":  # the env protocol's own error shape
@@ -362,6 +364,7 @@ def test_5xx_retried_then_error(server):
             assert server.app.state.attempts[("err500", "reset", "five-hundred")] == 3
             assert "HTTP 500" in str(err.value) and server.url("err500") + "/reset" in str(err.value)
             assert env.active_instances == 0
+            assert not err.value.unreachable  # the env's own error: a training step is not waited out
 
     run(main())
 
@@ -369,8 +372,9 @@ def test_5xx_retried_then_error(server):
 def test_4xx_not_retried(server):
     async def main():
         async with make_env(server.url("err400"), retries=3) as env:
-            with pytest.raises(EnvironmentServerError, match="HTTP 400"):
+            with pytest.raises(EnvironmentServerError, match="HTTP 400") as err:
                 await env.start_interaction("four-hundred")
+            assert not err.value.unreachable
             assert server.app.state.attempts[("err400", "reset", "four-hundred")] == 1
 
     run(main())
@@ -383,7 +387,7 @@ def test_timeout_is_an_error_quickly(server):
             with pytest.raises(EnvironmentServerError, match="timed out") as err:
                 await env.start_interaction("sleepy")
             assert time.monotonic() - start < SLOW_SECONDS
-            assert "2 attempts" in str(err.value)
+            assert "2 attempts" in str(err.value) and err.value.unreachable
 
     run(main())
 
@@ -395,7 +399,18 @@ def test_connection_error(server):
         async with make_env(url, retries=2) as env:
             with pytest.raises(EnvironmentServerError) as err:
                 await env.start_interaction()
-            assert url in str(err.value) and "3 attempts" in str(err.value)
+            assert url in str(err.value) and "3 attempts" in str(err.value) and err.value.unreachable
+
+    run(main())
+
+
+def test_503_is_retried_and_counts_as_unreachable(server):
+    async def main():
+        async with make_env(server.url("err503"), retries=1) as env:
+            with pytest.raises(EnvironmentServerError, match="HTTP 503") as err:
+                await env.start_interaction("unavailable")
+            assert server.app.state.attempts[("err503", "reset", "unavailable")] == 2
+            assert err.value.unreachable  # a training step waits for the server (trainer.env_outage_timeout_s)
 
     run(main())
 

@@ -76,7 +76,9 @@ def test_initial_observation_and_error_types():
     assert isinstance(err, RuntimeError)
     assert "http://127.0.0.1:1/step" in str(err) and "HTTP 500" in str(err)
     copy = pickle.loads(pickle.dumps(err))
-    assert (copy.url, copy.cause, str(copy)) == (err.url, err.cause, str(err))
+    assert (copy.url, copy.cause, str(copy), copy.unreachable) == (err.url, err.cause, str(err), False)
+    down = pickle.loads(pickle.dumps(EnvironmentServerError("http://127.0.0.1:1/reset", "ConnectError", unreachable=True)))
+    assert down.unreachable and down.cause == "ConnectError"
 
 
 def test_last_assistant_content():

@@ -37,7 +37,7 @@ def test_1_config_interpolation_is_refused_and_never_resolved(alice, monkeypatch
     response = alice.post(
         "/v1/jobs", json={"mode": "client", "config": {"trainer.experiment_name": "${oc.env:OPENAI_API_KEY}"}}
     )
-    _refused(response, 422, "config key 'trainer.experiment_name'", "interpolation is not supported")
+    _refused(response, 400, "config key 'trainer.experiment_name'", "interpolation is not supported")
     assert "sk-server-secret" not in response.text
     # Nested form, a list item and a resolver other than oc.env: refused the same way.
     for config in (
@@ -45,7 +45,7 @@ def test_1_config_interpolation_is_refused_and_never_resolved(alice, monkeypatch
         {"trainer.logger": ["console", "${oc.env:OPENAI_API_KEY}"]},
         {"trainer.experiment_name": "${trainer.project_name}"},
     ):
-        _refused(alice.post("/v1/jobs", json={"mode": "client", "config": config}), 422, "interpolation")
+        _refused(alice.post("/v1/jobs", json={"mode": "client", "config": config}), 400, "interpolation")
     listing = alice.get("/v1/jobs")
     assert listing.status_code == 200 and "sk-server-secret" not in listing.text
     assert _job_count(alice) == before
@@ -59,7 +59,7 @@ def test_2_a_client_never_picks_the_judge_endpoint(alice, recording_service):
     config = {"algorithm.adv_estimator": "grpo_weighted_mul", "algorithm.enable_solution_classification": True,
               "algorithm.judge.kind": "openai", "algorithm.judge.base_url": f"{url}/v1"}
     # This server offers no OpenAI judge at all.
-    _refused(alice.post("/v1/jobs", json={"config": config}), 422, "algorithm.judge.kind", "no OpenAI-compatible judge")
+    _refused(alice.post("/v1/jobs", json={"config": config}), 400, "algorithm.judge.kind", "no OpenAI-compatible judge")
     assert seen == []
 
 
@@ -71,10 +71,10 @@ def test_2_judge_base_url_and_model_are_the_operators(start_server, tmp_path, he
             "algorithm.judge.kind": "openai"}
     with live.client(key) as client:
         body = _refused(client.post("/v1/jobs", json={"config": {**base, "algorithm.judge.base_url": f"{url}/v1"}}),
-                        422, "'algorithm.judge.base_url' is chosen by the server operator")
+                        400, "'algorithm.judge.base_url' is chosen by the server operator")
         assert body["detail"] == {"field": "config.algorithm.judge.base_url"}
         _refused(client.post("/v1/jobs", json={"config": {**base, "algorithm.judge.model": "gpt-4"}}),
-                 422, "'gpt-4' is not a judge model of this server", "judge-a, judge-b")
+                 400, "'gpt-4' is not a judge model of this server", "judge-a, judge-b")
         models = client.get("/v1/models").json()
         assert models["judge_models"] == ["judge-a", "judge-b"]
         job_id = helpers.create_job(client, "hold", mode="client", steps=1,
@@ -96,7 +96,7 @@ def test_2_judge_base_url_and_model_are_the_operators(start_server, tmp_path, he
 def test_3_trust_remote_code_is_refused(alice):
     body = _refused(
         alice.post("/v1/jobs", json={"config": {"actor_rollout_ref.model.trust_remote_code": True}}),
-        422, "'actor_rollout_ref.model.trust_remote_code' is the server operator's choice",
+        400, "'actor_rollout_ref.model.trust_remote_code' is the server operator's choice",
     )
     assert body["detail"] == {"field": "config.actor_rollout_ref.model.trust_remote_code"}
 
@@ -113,7 +113,7 @@ def test_3_model_path_names_a_served_model_never_a_folder(alice, server, helpers
     errors = []
     for path in (existing, missing):
         body = _refused(alice.post("/v1/jobs", json={"config": {"actor_rollout_ref.model.path": path}}),
-                        422, "is not a model served here", f"served models: {TINY_MODEL_NAME}")
+                        400, "is not a model served here", f"served models: {TINY_MODEL_NAME}")
         errors.append(body["error"].replace(path, "PATH"))
     assert errors[0] == errors[1]
     job_id = helpers.create_job(alice, "quick", steps=1, config={"actor_rollout_ref.model.path": TINY_MODEL_NAME,
@@ -148,12 +148,13 @@ def _raw_post(client: httpx.Client, path: str, text: str, **headers: str) -> htt
     [
         ('{"mode": "client", "config": {"trainer.experiment_name": "\\ud800"}}', "config.trainer.experiment_name"),
         ('{"name": "\\ud800"}', "body: name: '\\ud800' (a lone surrogate) is not valid text"),
-        ('{"config": {"trainer.total_training_steps": 9223372036854775808}}', "64-bit range"),
+        ('{"config": {"trainer.total_training_steps": 9223372036854775808}}', "is out of range"),
+        ('{"config": {"trainer.total_training_steps": 9007199254740992}}', "at most 9007199254740991 in magnitude"),
         ('{"config": {"actor_rollout_ref.actor.optim.lr": NaN}}', "not a finite number"),
         ('{"dataset": [{"x": ' + "[" * 256 + "]" * 256 + "}]}", "nested deeper than 32 levels"),
         ('{"dataset": [{"x": ' + "[" * 5000 + "]" * 5000 + "}]}", "nested too deeply to parse"),
     ],
-    ids=["surrogate-config", "surrogate-name", "int-2**63", "nan", "depth-256", "depth-5000"],
+    ids=["surrogate-config", "surrogate-name", "int-2**63", "int-2**53", "nan", "depth-256", "depth-5000"],
 )
 def test_9_values_that_broke_the_job_list_are_refused_at_the_edge(alice, text, needle):
     before = _job_count(alice)
@@ -165,7 +166,7 @@ def test_9_values_that_broke_the_job_list_are_refused_at_the_edge(alice, text, n
 def test_9_huge_integers_in_step_after_and_last_event_id(alice, helpers):
     job_id = helpers.create_job(alice, "hold", mode="client", steps=2)
     _refused(_raw_post(alice, f"/v1/jobs/{job_id}/steps", '{"step": 9223372036854775808, "rows": [{}]}'), 422,
-             "step: integer out of the 64-bit range")
+             "step: 9223372036854775808 is out of range")
     _refused(alice.get(f"/v1/jobs/{job_id}/events", params={"after": 2**63, "stream": "false"}), 422, "query.after")
     _refused(alice.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": str(2**63)}), 422, "Last-Event-ID")
     _refused(alice.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "9" * 5000}), 422, "Last-Event-ID")
@@ -204,7 +205,7 @@ def test_10_client_rows_that_would_kill_the_job_are_refused_before_202(alice, he
         ({**good, "prompt": [{"role": "wizard", "content": "hi"}]}, "'prompt[0].role' must be one of"),
     ]
     for row, *needles in cases:
-        _refused(alice.post(url, json={"step": 1, "rows": [good, row]}), 422, *needles)
+        _refused(alice.post(url, json={"step": 1, "rows": [good, row]}), 400, *needles)
     surrogate = json.dumps({"step": 1, "rows": [good]}).replace("2 + 2", "\\ud800")
     _refused(_raw_post(alice, url, surrogate), 422, "lone surrogate")
     assert alice.post(url, json={"step": 1, "rows": [good]}).status_code == 202
@@ -214,9 +215,9 @@ def test_10_client_rows_that_would_kill_the_job_are_refused_before_202(alice, he
 
 def test_10_server_mode_datasets_get_the_same_checks(alice):
     rows = [{"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "reward_model": {"ground_truth": "2"}}] * 8
-    _refused(alice.post("/v1/jobs", json={"dataset": [*rows, {"prompt": rows[0]["prompt"]}]}), 422,
+    _refused(alice.post("/v1/jobs", json={"dataset": [*rows, {"prompt": rows[0]["prompt"]}]}), 400,
              "dataset[8]: needs 'reward_model'")
-    _refused(alice.post("/v1/jobs", json={"dataset": rows, "config": {"data.max_prompt_length": 4}}), 422,
+    _refused(alice.post("/v1/jobs", json={"dataset": rows, "config": {"data.max_prompt_length": 4}}), 400,
              "dataset[0]: prompt has")
 
 
@@ -241,7 +242,7 @@ def test_10_server_mode_datasets_get_the_same_checks(alice):
     ],
 )
 def test_12_upper_bounds(alice, config, needle):
-    _refused(alice.post("/v1/jobs", json={"config": config}), 422, needle)
+    _refused(alice.post("/v1/jobs", json={"config": config}), 400, needle)
 
 
 @pytest.mark.parametrize("literal", ["NaN", "1e400", "-Infinity"])
@@ -256,8 +257,8 @@ def test_12_the_operator_sets_the_bounds(start_server, tmp_path, helpers):
     with live.client(key) as client:
         _refused(client.post("/v1/jobs", json={"config": {"trainer.total_training_steps": 11,
                                                            "actor_rollout_ref.rollout.n": 4}}),
-                 422, "must be >= 1 and <= 10 (a limit of this server)")
-        _refused(client.post("/v1/jobs", json={"config": {"actor_rollout_ref.rollout.n": 8}}), 422, "<= 4")
+                 400, "must be >= 1 and <= 10 (a limit of this server)")
+        _refused(client.post("/v1/jobs", json={"config": {"actor_rollout_ref.rollout.n": 8}}), 400, "<= 4")
         helpers.create_job(client, "quick", steps=10, config={"trainer.total_training_steps": 10,
                                                                 "actor_rollout_ref.rollout.n": 4})
     with pytest.raises(ValueError, match="no numeric range"):
@@ -303,7 +304,7 @@ def test_14_bodies_past_the_limit_get_413(start_server, tmp_path, helpers):
     ],
 )
 def test_16_named_choices_are_checked_at_creation(alice, key, value, nearest):
-    body = _refused(alice.post("/v1/jobs", json={"config": {key: value}}), 422,
+    body = _refused(alice.post("/v1/jobs", json={"config": {key: value}}), 400,
                     f"config key '{key}': unknown value '{value}'", "(valid: ")
     if nearest:
         assert f"did you mean '{nearest}'?" in body["error"]

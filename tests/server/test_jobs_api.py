@@ -146,16 +146,16 @@ def test_client_mode_steps_are_idempotent_ordered_and_bounded(server, alice, hel
     assert reused_key.status_code == 409 and "step 1" in reused_key.json()["error"]
 
     malformed = alice.post(url, json={"step": 2, "rows": [row, {"question": "no prompt here"}]})
-    assert malformed.status_code == 422 and "rows[1]" in malformed.json()["error"]
+    assert malformed.status_code == 400 and "rows[1]" in malformed.json()["error"]
     not_a_dict = alice.post(url, json={"step": 2, "rows": [row, 7]})
     assert not_a_dict.status_code == 422 and "body.rows[1]" in not_a_dict.json()["error"]
     rejected = alice.post(url, json={"step": 2, "rows": [{**row, "reject": True}]})
-    assert rejected.status_code == 422 and "rejects step 2" in rejected.json()["error"]
+    assert rejected.status_code == 400 and "rejects step 2" in rejected.json()["error"]
     assert helpers.job_status(alice, job_id) == "running"  # none of that hurt the job
 
     data_free = {"extra_info": {"interaction_kwargs": {"name": "game", "seed": 3}}}
     no_env = alice.post(url, json={"step": 2, "rows": [data_free]})  # the job has no interactions
-    assert no_env.status_code == 422 and "rows[0]: needs a 'prompt'" in no_env.json()["error"]
+    assert no_env.status_code == 400 and "rows[0]: needs a 'prompt'" in no_env.json()["error"]
     second = alice.post(url, json={"step": 2, "rows": [row]})
     assert second.status_code == 202 and second.json()["queued"] == 2
     full = alice.post(url, json={"step": 3, "rows": [row]})
@@ -263,7 +263,7 @@ def test_a_retried_create_with_the_same_idempotency_key_makes_one_job(alice, bob
 def test_fsdp_jobs_the_cluster_cannot_place_are_refused_at_creation(alice):
     config = {"actor_rollout_ref.actor.strategy": "fsdp", "trainer.device": "cpu", "trainer.n_gpus_per_node": 64}
     response = alice.post("/v1/jobs", json={"config": config})
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     assert response.json()["error"] == (
         "actor_rollout_ref.actor.strategy=fsdp with trainer.nnodes x trainer.n_gpus_per_node = 64 ranks needs "
         "64 CPU in this server's Ray cluster, which has 4")

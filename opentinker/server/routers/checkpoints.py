@@ -65,7 +65,7 @@ async def download_checkpoint(
     settings: ServerSettings = Depends(get_settings),
 ) -> StreamingResponse:
     if ".." in name:  # the pattern already excludes separators
-        raise ApiError(422, f"checkpoint name {name!r} is not valid (letters, digits, '_', '.', '-')")
+        raise ApiError(400, f"checkpoint name {name!r} is not valid (letters, digits, '_', '.', '-')")
     record = store.get_checkpoint(job.job_id, name)
     if record is None:
         raise not_found(f"checkpoint {name!r} of job {job.job_id}")

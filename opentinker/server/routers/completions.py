@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sse_starlette import EventSourceResponse
 
+from opentinker.protocol import MAX_JSON_INT
 from opentinker.server.auth import current_user
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.model_serving import ModelServing
@@ -32,7 +33,8 @@ router = APIRouter(
 
 MAX_STOPS = 4
 MAX_CHOICES = 8
-MAX_SEED = 2**62
+StopString = Annotated[str, Field(min_length=1, max_length=64)]
+MAX_SEED = MAX_JSON_INT
 # Options of OpenAI's API that this server does not implement, with the value meaning "off".
 UNSUPPORTED: dict[str, Any] = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
@@ -52,24 +54,18 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOPS)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> _Request:
+    def serve_request(self, settings: ServerSettings) -> dict[str, Any]:
+        # 400, not 422: the schema allows any extra field (OpenAI clients send many).
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED:
                 off = UNSUPPORTED[name]
                 if value is not None and not (isinstance(off, tuple) and value in off):
-                    raise ValueError(f"{name}: not supported by this server (leave it out)")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOPS or any(not 0 < len(s) <= 64 for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOPS} strings of 1 to 64 characters")
-        return self
-
-    def serve_request(self, settings: ServerSettings) -> dict[str, Any]:
+                    raise ApiError(400, f"{name}: not supported by this server (leave it out)", {"field": name})
         max_tokens = self.max_tokens or min(256, settings.serve_max_tokens)
         if max_tokens > settings.serve_max_tokens:
             raise ApiError(400, f"max_tokens: at most {settings.serve_max_tokens} on this server, got {max_tokens}")

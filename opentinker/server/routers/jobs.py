@@ -27,9 +27,10 @@ MAX_IDEMPOTENCY_KEY_CHARS = 200
 QUOTA_RETRY_AFTER_S = 30
 
 
-def check_idempotency_key(key: str | None) -> None:
-    if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise ApiError(422, f"header Idempotency-Key: must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
+def idempotency_key_header():
+    """The ``Idempotency-Key`` header parameter (its bounds are in the OpenAPI document)."""
+    return Header(None, alias="Idempotency-Key", min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+                  description="a retry with the same key gets the first answer")
 
 
 def interaction_classes(
@@ -39,7 +40,7 @@ def interaction_classes(
     that its config (env endpoints included) is checked as the runner will build it."""
     duplicates = sorted(name for name, count in Counter(s.name for s in specs).items() if count > 1)
     if duplicates:
-        raise ApiError(422, f"interactions: duplicate names {duplicates}", {"field": "interactions"})
+        raise ApiError(400, f"interactions: duplicate names {duplicates}", {"field": "interactions"})
     classes: dict[str, type] = {}
     for i, spec in enumerate(specs):
         label = f"interactions[{i}] ({spec.name!r})"
@@ -54,7 +55,7 @@ def interaction_classes(
         try:
             registry.build([spec], context=policy.interaction_context(None))
         except ValueError as exc:
-            raise ApiError(422, f"{label}: {exc}", {"field": f"interactions[{i}].config"}) from exc
+            raise ApiError(400, f"{label}: {exc}", {"field": f"interactions[{i}].config"}) from exc
         classes[spec.name] = cls
     return classes
 
@@ -62,7 +63,7 @@ def interaction_classes(
 async def check_rows(
     rows: list[Any], field: str, rules: RowRules, tokenizers: Any, model_name: str | None
 ) -> None:
-    """422 naming the first bad rows; prompt lengths are counted with the model's tokenizer,
+    """400 naming the first bad rows; prompt lengths are counted with the model's tokenizer,
     in a worker thread (a dataset can be large)."""
 
     def problems() -> list[str]:
@@ -71,20 +72,20 @@ async def check_rows(
 
     found = await asyncio.to_thread(problems)
     if found:
-        raise ApiError(422, "; ".join(found), {"field": field, "problems": found})
+        raise ApiError(400, "; ".join(found), {"field": field, "problems": found})
 
 
 async def _check_data(body: JobCreate, cfg: Any, classes: dict[str, type], tokenizers: Any) -> None:
     if body.mode == "client" and body.dataset is not None:
         raise ApiError(
-            422,
+            400,
             "dataset: a client-mode job takes its rows step by step (POST /v1/jobs/{id}/steps); "
             "send no dataset, or use mode 'server'",
             {"field": "dataset"},
         )
     if not classes and not cfg.data.task:
         raise ApiError(
-            422,
+            400,
             "config key 'data.task': a job without interactions is scored by a built-in task; "
             "set data.task (e.g. 'arithmetic') or give interactions",
             {"field": "config.data.task"},
@@ -93,8 +94,6 @@ async def _check_data(body: JobCreate, cfg: Any, classes: dict[str, type], token
     for field, rows in (("dataset", body.dataset), ("val_dataset", body.val_dataset)):
         if rows is None:
             continue
-        if not rows:
-            raise ApiError(422, f"{field}: must not be empty (send null for none)", {"field": field})
         await check_rows(rows, field, rules, tokenizers, cfg.actor_rollout_ref.model.path)
 
 
@@ -112,24 +111,23 @@ async def create_job(
     body: JobCreate,
     request: Request,
     response: Response,
-    idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
+    idempotency_key: str | None = idempotency_key_header(),
     user: User = Depends(current_user),
     store: Store = Depends(get_store),
     manager: JobManager = Depends(get_manager),
     registry: InteractionRegistry = Depends(get_registry),
     settings: ServerSettings = Depends(get_settings),
 ) -> JobCreated:
-    check_idempotency_key(idempotency_key)
     policy = settings.job_policy
     try:
         cfg = policy.client_config(body.config)
     except PolicyError as exc:
-        raise ApiError(422, str(exc), {"field": exc.field}) from exc
+        raise ApiError(400, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
-        raise ApiError(422, str(exc), {"field": "config"}) from exc
+        raise ApiError(400, str(exc), {"field": "config"}) from exc
     placement = manager.placement_problem(cfg)
     if placement:
-        raise ApiError(422, placement, {"field": "config.trainer.n_gpus_per_node"})
+        raise ApiError(400, placement, {"field": "config.trainer.n_gpus_per_node"})
     classes = interaction_classes(body.interactions, registry, policy)
     await _check_data(body, cfg, classes, request.app.state.tokenizers)
 

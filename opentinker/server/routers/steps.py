@@ -1,6 +1,6 @@
 """``POST /v1/jobs/{id}/steps``: client-mode batches, in order, idempotent, with back-pressure.
 
-A batch is checked here before it is forwarded, so a malformed one is answered 422 and
+A batch is checked here before it is forwarded, so a malformed one is answered 400 (422: against the schema) and
 never reaches (or breaks) the running job. A repeat (same ``step``, or same
 ``Idempotency-Key``) gets the stored acknowledgement with ``duplicate: true`` and is not
 forwarded again: a client may retry freely after a timeout.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from ray.exceptions import RayActorError, RayTaskError
 
 from opentinker.environments.registry import InteractionRegistry, InteractionSpec
@@ -19,7 +19,7 @@ from opentinker.server.auth import current_user
 from opentinker.server.deps import get_manager, get_registry, get_settings, get_store, owned_job
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
-from opentinker.server.routers.jobs import check_idempotency_key, check_rows
+from opentinker.server.routers.jobs import check_rows, idempotency_key_header
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
 from opentinker.server.validation import RowRules
@@ -59,7 +59,7 @@ def _duplicate(accepted: StepAccepted, response: Response) -> StepAccepted:
     summary="Push the rows of one training step (client mode)",
     responses={
         200: {"description": "a repeat of an accepted step (duplicate: true)"},
-        **error_responses(404, 409, 429, 503),
+        **error_responses(400, 404, 409, 429, 503),
     },
 )
 async def push_step(
@@ -67,7 +67,7 @@ async def push_step(
     request: Request,
     response: Response,
     job: JobRecord = Depends(owned_job),
-    idempotency_key: str | None = Header(None, alias="Idempotency-Key"),
+    idempotency_key: str | None = idempotency_key_header(),
     store: Store = Depends(get_store),
     settings: ServerSettings = Depends(get_settings),
     manager: JobManager = Depends(get_manager),
@@ -76,7 +76,6 @@ async def push_step(
     job_id = job.job_id
     if job.mode != "client":
         raise ApiError(409, f"job {job_id} runs in {job.mode} mode; only client-mode jobs take pushed steps")
-    check_idempotency_key(idempotency_key)
     if len(body.rows) > settings.max_rows_per_step:
         raise ApiError(
             422, f"rows: at most {settings.max_rows_per_step} rows per step on this server, got {len(body.rows)}",
@@ -134,7 +133,7 @@ async def push_step(
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, (ValueError, TypeError, KeyError)):
-                raise ApiError(422, f"rows: the job rejected step {body.step}: {cause}", {"field": "rows"}) from exc
+                raise ApiError(400, f"rows: the job rejected step {body.step}: {cause}", {"field": "rows"}) from exc
             raise ApiError(500, f"the job's runner failed to take step {body.step}: {cause or exc}") from exc
 
         accepted = StepAccepted(step=body.step, queued=queued + 1)

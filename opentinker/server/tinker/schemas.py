@@ -32,7 +32,7 @@ def _unsafe(value: Any, path: str = "", depth: int = 0) -> str | None:
         return None if -MAX_INT - 1 <= min(value) and max(value) <= MAX_INT else \
             f"{path or 'body'}: integer out of the 64-bit range"
     if not isinstance(value, (dict, list)):
-        return wire_problem(value, path)
+        return wire_problem(value, path, limit=MAX_INT)
     if depth >= MAX_JSON_DEPTH:
         return f"{path or 'body'}: nested deeper than {MAX_JSON_DEPTH} levels"
     for key, item in value.items() if isinstance(value, dict) else enumerate(value):
