@@ -23,6 +23,7 @@ MAX_JSON_DEPTH = 32  # nesting of objects and arrays in a request body
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
 CHECKPOINT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 MAX_NAME_CHARS = 200
+MAX_INTERACTIONS = 256  # per job or env check
 
 
 def wire_problem(value: Any, path: str = "", depth: int = 0, limit: int = MAX_JSON_INT) -> str | None:
@@ -107,7 +108,7 @@ class JobCreate(_Request):
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     mode: JobMode = "server"
     config: JsonObject = Field(default_factory=dict)
-    interactions: list[InteractionSpec] = Field(default_factory=list)
+    interactions: list[InteractionSpec] = Field(default_factory=list, max_length=MAX_INTERACTIONS)
     # Train rows (server mode); None = the built-in data.task.
     dataset: list[JsonObject] | None = Field(None, min_length=1)
     val_dataset: list[JsonObject] | None = Field(None, min_length=1)
@@ -182,7 +183,7 @@ class CheckpointList(_Model):
 class EnvCheck(_Request):
     """``POST /v1/env/check``: validate interaction specs and reach each env endpoint."""
 
-    interactions: list[InteractionSpec]
+    interactions: list[InteractionSpec] = Field(max_length=MAX_INTERACTIONS)
 
 
 class EnvCheckResult(_Model):

@@ -11,8 +11,10 @@ server then sends requests there, so an endpoint is never a free-form URL:
   allowed, and the control plane's own address never is.
 
 Host names are matched as names (exact, or ``*.suffix`` for sub-domains), IP literals
-against IP and CIDR rules; no DNS lookup is made here, so a rule for a name trusts what
-that name resolves to.
+against IP and CIDR rules, so a rule for a name trusts what that name resolves to. The one
+lookup made: an endpoint on the control plane's own port is refused when its host is, or
+resolves to (within a second; a name that does not resolve in time is refused too), a
+loopback or unspecified address or an address of one of this machine's interfaces.
 
 No torch, no server imports: the thin client normalises endpoints with the same code.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -160,19 +164,54 @@ def _parse_ports(text: str, rule: str) -> tuple[int, int]:
     return bounds
 
 
-def _is_local(host: str) -> bool:
+RESOLVE_TIMEOUT_S = 1.0
+
+
+def _own_addresses() -> set[str]:
+    """The addresses of this machine's interfaces, and what its host name resolves to."""
+    found: set[str] = set()
+    try:
+        import psutil
+
+        for addresses in psutil.net_if_addrs().values():
+            found.update(a.address.split("%")[0] for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6))
+    except ImportError:  # the thin client; the server has psutil
+        pass
+    found.update(_resolve(socket.gethostname()) or ())
+    return found
+
+
+def _resolve(host: str) -> set[str] | None:
+    """The addresses ``host`` resolves to, or None when it does not within RESOLVE_TIMEOUT_S."""
+    with ThreadPoolExecutor(max_workers=1) as pool:  # getaddrinfo itself has no timeout
+        future = pool.submit(socket.getaddrinfo, host, None)
+        try:
+            return {info[4][0].split("%")[0] for info in future.result(timeout=RESOLVE_TIMEOUT_S)}
+        except (OSError, UnicodeError, FutureTimeout):
+            return None
+        finally:
+            pool.shutdown(wait=False)
+
+
+def _is_own(host: str) -> bool:
+    """Whether ``host`` is, or resolves to, an address of this machine (see the module doc)."""
+    if host in _LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
     ip = _as_ip(host)
-    if ip is None:
-        return host in _LOOPBACK_NAMES or host.endswith(".localhost")
-    return ip.is_loopback or ip.is_unspecified
+    addresses = {ip} if ip is not None else {_as_ip(a) for a in (_resolve(host) or ())}
+    if ip is None and not addresses:
+        return True  # does not resolve: it cannot be shown not to be this machine
+    own = {_as_ip(a) for a in _own_addresses()}
+    return any(a is None or a.is_loopback or a.is_unspecified or a in own for a in addresses)
 
 
 @dataclass(frozen=True)
 class EndpointPolicy:
     """Which env servers jobs on this server may reach (the operator's choice).
 
-    ``own_port``: the control plane's port; ``http(s)://<loopback or 0.0.0.0>:own_port`` is
-    refused whatever the rules say, so a job can never send requests to the API it came from.
+    ``own_port``: the control plane's port; ``http(s)://HOST:own_port`` is refused whatever
+    the rules say when HOST is or resolves to a loopback, unspecified or own-interface address
+    (or does not resolve), so a job can never send requests to the API it came from.
     """
 
     rules: tuple[EndpointRule, ...] = ()
@@ -189,7 +228,7 @@ class EndpointPolicy:
         """The normalised endpoint, or :class:`EndpointError` naming ``field``."""
         scheme, host, port = _split(url, field)
         normalised = _url(scheme, host, port)
-        if self.own_port is not None and port == self.own_port and _is_local(host):
+        if self.own_port is not None and port == self.own_port and _is_own(host):
             raise EndpointError(f"{field} {normalised} is this training server's own address")
         if not any(rule.matches(host, port) for rule in self.rules):
             if not self.rules:

@@ -70,6 +70,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.state.manager = manager
         app.state.serving = ModelServing(store, manager, settings)
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
+        app.state.env_checks_by_user = set()  # users with a check running: one each
         app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy, settings.tinker_settings())
         await app.state.tinker.start()
         for job_id in interrupted:  # those with a checkpoint continue from it

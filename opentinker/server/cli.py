@@ -7,6 +7,8 @@
     opentinker-server admin create-user NAME [--data-dir DIR]
     opentinker-server admin create-key USER [--data-dir DIR]     # prints the key once
     opentinker-server admin list-users [--data-dir DIR]
+    opentinker-server admin list-keys [--user NAME] [--data-dir DIR]
+    opentinker-server admin revoke-key KEY_ID|KEY [--data-dir DIR]
 
 Heavy imports (Ray, the app) happen only in ``serve``, so admin commands start fast.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -124,12 +127,50 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(create_key)
     list_users = admin_commands.add_parser("list-users", help="users and their number of active keys")
     _add_data_dir(list_users)
+    list_keys = admin_commands.add_parser("list-keys", help="API keys: id, user, first characters, created, state")
+    list_keys.add_argument("--user", help="only this user's keys")
+    _add_data_dir(list_keys)
+    revoke_key = admin_commands.add_parser(
+        "revoke-key", help="revoke an API key at once (both APIs and the dashboard), by its id from list-keys "
+                           "or by the key itself")
+    revoke_key.add_argument("key", metavar="KEY_ID|KEY")
+    _add_data_dir(revoke_key)
     return parser
 
 
 def _fail(message: str) -> int:
     print(f"opentinker-server: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _list_keys(store, user_name: str | None) -> int:
+    user = None
+    if user_name is not None:
+        user = store.get_user(user_name)
+        if user is None:
+            return _fail(f"no user {user_name!r} (opentinker-server admin list-users)")
+    keys = store.list_api_keys(user)
+    if not keys:
+        print("no API keys yet; make one with: opentinker-server admin create-key USER")
+    print("id\tuser\tkey starts\tcreated (UTC)\tstate")
+    for key in keys:
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(key.created_at))
+        print(f"{key.id}\t{key.user_name}\t{key.prefix}...\t{created}\t{'revoked' if key.revoked else 'active'}")
+    return 0
+
+
+def _revoke_key(store, key: str) -> int:
+    """By id (digits, from list-keys) or by the key itself; never echoes a key."""
+    from opentinker.server import auth
+
+    if key.isdigit():
+        done, what = store.revoke_api_key_id(int(key)), f"key id {key}"
+    else:
+        done, what = auth.revoke_api_key(store, key.removeprefix("tml-")), "that key"
+    if not done:
+        return _fail(f"no active API key with {what} (opentinker-server admin list-keys)")
+    print(f"revoked {what}: it is refused from now on (the main API, the Tinker API and the dashboard)")
+    return 0
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -158,6 +199,10 @@ def _admin(args: argparse.Namespace) -> int:
                 print("no users yet; add one with: opentinker-server admin create-user NAME")
             for user, active_keys in users:
                 print(f"{user.name}\t{active_keys} active key(s)")
+        elif args.admin_command == "list-keys":
+            return _list_keys(store, args.user)
+        elif args.admin_command == "revoke-key":
+            return _revoke_key(store, args.key)
         return 0
     finally:
         store.close()

@@ -9,9 +9,11 @@ node of a Ray cluster; nothing in this module touches the server's database.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from opentinker.protocol import JobCreate
 from opentinker.server.policy import JobPolicy
 
 _BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
+
+log = logging.getLogger("opentinker.server.runner")
 
 
 class NotServingError(RuntimeError):
@@ -135,7 +139,12 @@ class JobRunner:
             return {"status": "cancelled", "error": None, "step": self.step}
         except Exception as error:  # the job fails; the server and other jobs go on
             message = f"{type(error).__name__}: {error}"
-            self._emit("error", {"message": message, "traceback": traceback.format_exc(limit=20)})
+            # The user gets the message and an id to quote; the trace (server file paths) stays
+            # in the server's log (Ray forwards the actor's log to the server's).
+            error_id = uuid.uuid4().hex[:12]
+            log.error("job %s failed (error id %s): %s\n%s", self.job_id, error_id, message,
+                      traceback.format_exc(limit=20))
+            self._emit("error", {"message": message, "error_id": error_id})
             return {"status": "failed", "error": message, "step": self.step}
         finally:
             with self._between_steps:  # a request being served ends first

@@ -56,6 +56,8 @@ class ServerSettings:
     runner_call_timeout_s: float = 10.0  # control calls (queued, request_checkpoint) to a runner
     keepalive_s: float = 10.0  # SSE comment interval, so proxies keep idle streams open
     endpoint_check_timeout_s: float = 3.0  # POST /v1/env/check: per env server /health
+    env_check_budget_s: float = 6.0  # POST /v1/env/check: all its probes (the rest are reported unprobed)
+    max_env_check_probes: int = 32  # POST /v1/env/check: distinct env endpoints per check (400 beyond)
     dashboard_session_s: float = 12 * 3600.0  # a dashboard login (cookie) lasts this long
     # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
@@ -85,7 +87,7 @@ class ServerSettings:
         for name in ("models", "trust_remote_code", "judge_models", "loggers", "allowed_interactions", "env_hosts"):
             setattr(self, name, list(getattr(self, name)))
         for name in ("max_queued_steps", "max_running_jobs_per_user", "max_env_shards", "max_body_bytes",
-                     "max_rows_per_step", "max_concurrent_env_checks", "tinker_ranks",
+                     "max_rows_per_step", "max_concurrent_env_checks", "max_env_check_probes", "tinker_ranks",
                      "tinker_max_models_per_user", "tinker_keep_ephemeral", "serve_max_models", "serve_max_tokens",
                      "tinker_max_pending_sample_tokens", "tinker_sampler_max_rows", "tinker_sampler_max_tokens",
                      "tinker_max_models", "tinker_max_sessions_per_user", "tinker_max_queued_requests",
@@ -102,7 +104,8 @@ class ServerSettings:
             raise ValueError(f"tinker_memory_gb must be > 0, got {self.tinker_memory_gb}")
         if not 0 < self.tinker_long_poll_s < 45:
             raise ValueError(f"tinker_long_poll_s must be in (0, 45) (the SDK's read timeout), got {self.tinker_long_poll_s}")
-        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "tinker_session_timeout_s",
+        for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "env_check_budget_s",
+                     "tinker_session_timeout_s",
                      "dashboard_session_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -326,10 +326,15 @@ class Store:
 
     def revoke_api_key(self, key_hash: str) -> bool:
         """Revoke the key; its dashboard sessions end with it."""
+        rows = self._query("SELECT id FROM api_keys WHERE key_hash = ?", (key_hash,))
+        return bool(rows) and self.revoke_api_key_id(rows[0]["id"])
+
+    def revoke_api_key_id(self, key_id: int) -> bool:
+        """Revoke the key with this id (``list_api_keys``); False if there is none or it was
+        revoked already. Its dashboard sessions end with it."""
         with self._transaction() as conn:
-            cur = conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_hash = ? AND revoked = 0", (key_hash,))
-            conn.execute("DELETE FROM dashboard_sessions WHERE api_key_id IN "
-                         "(SELECT id FROM api_keys WHERE key_hash = ?)", (key_hash,))
+            cur = conn.execute("UPDATE api_keys SET revoked = 1 WHERE id = ? AND revoked = 0", (key_id,))
+            conn.execute("DELETE FROM dashboard_sessions WHERE api_key_id = ?", (key_id,))
         return cur.rowcount > 0
 
     # dashboard sessions ---------------------------------------------------------------

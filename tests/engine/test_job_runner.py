@@ -55,14 +55,20 @@ def test_cancel_while_waiting_for_a_batch(tiny_model_dir, tmp_path):
     assert outcome == {"status": "cancelled", "error": None, "step": 1}
 
 
-def test_a_failing_job_reports_why(tmp_path):
+def test_a_failing_job_reports_why_with_an_error_id_and_no_trace(tmp_path, caplog):
     # A served model whose folder the operator got wrong: the job fails and says so.
     policy = JobPolicy(models=parse_served_models([f"broken={tmp_path / 'nope'}"]))
     runner = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": "broken"}},
                        str(tmp_path), policy)
-    outcome = runner.run()
+    with caplog.at_level("ERROR", logger="opentinker.server.runner"):
+        outcome = runner.run()
     assert outcome["status"] == "failed" and "does not exist" in outcome["error"]
-    assert [e["type"] for e in runner.drain_events()] == ["error"]
+    (event,) = runner.drain_events()
+    assert event["type"] == "error" and set(event["data"]) == {"message", "error_id"}
+    assert "Traceback" not in str(event) and ".py" not in str(event)  # no server file paths
+    # The trace is in the server's log, under the id the user can quote.
+    (record,) = [r for r in caplog.records if event["data"]["error_id"] in r.getMessage()]
+    assert "Traceback (most recent call last)" in record.getMessage()
 
 
 def test_the_runner_applies_the_policy_again(tmp_path):

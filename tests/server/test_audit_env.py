@@ -50,7 +50,7 @@ def test_4_ten_thousand_shards_are_refused_without_a_probe(alice, recording_serv
     assert seen == []
     job = alice.post("/v1/jobs", json={"interactions": [{"name": "game", "class_path": "gym",
                                                           "config": {"env_endpoint": url, "env_shards": 10000}}]})
-    assert job.status_code == 422 and "env_shards" in job.json()["error"]
+    assert job.status_code == 400 and "env_shards" in job.json()["error"]
 
 
 def test_4_a_hanging_check_does_not_hold_up_other_clients(alice, tarpit):
@@ -70,8 +70,8 @@ def test_4_a_hanging_check_does_not_hold_up_other_clients(alice, tarpit):
 def test_4_env_checks_are_bounded_server_wide(start_server, tmp_path, helpers, tarpit):
     url, accepted = tarpit
     live = start_server(tmp_path, max_concurrent_env_checks=1)
-    key = helpers.make_user(tmp_path, "kim")
-    with live.client(key) as first, live.client(key) as second:
+    kim, lee = helpers.make_user(tmp_path, "kim"), helpers.make_user(tmp_path, "lee")
+    with live.client(kim) as first, live.client(lee) as second:
         thread = threading.Thread(target=_check, args=(first,), kwargs={"env_endpoint": url})
         thread.start()
         assert accepted.wait(30)
@@ -79,6 +79,44 @@ def test_4_env_checks_are_bounded_server_wide(start_server, tmp_path, helpers, t
         assert busy.status_code == 429 and busy.headers["Retry-After"].isdigit()
         assert "1 env checks are already running" in busy.json()["error"]
         thread.join(60)
+
+
+def test_4_round2_two_hundred_interactions_at_a_tarpit_cost_their_sender_only(alice, bob, tarpit,
+                                                                               recording_service):
+    """The audit's round-2 request: 200 interactions pointing at a tarpit in one check (76 s
+    before, and four of them took every server-wide slot). Now one probe per distinct URL,
+    within the check's budget; the sender's second check is a 429 while the first runs; another
+    user's check answers meanwhile."""
+    url, accepted = tarpit
+    healthy, _ = recording_service
+    body = {"interactions": [{"name": f"game{i}", "class_path": "gym", "config": {"env_endpoint": url}}
+                             for i in range(200)]}
+    results = {}
+    thread = threading.Thread(target=lambda: results.setdefault("check", alice.post("/v1/env/check", json=body)))
+    thread.start()
+    assert accepted.wait(30), "the check never reached the tarpit"
+    second = alice.post("/v1/env/check", json=body)
+    assert second.status_code == 429 and second.headers["Retry-After"].isdigit()
+    assert "you have an env check running already" in second.json()["error"]
+    other = _check(bob, env_endpoint=healthy)  # some service on loopback: probed, it answers 404
+    assert other.status_code == 200 and other.json()["problems"][0].endswith("health check answered HTTP 404")
+    assert thread.is_alive()  # bob's check answered while alice's was still waiting on the tarpit
+    thread.join(60)
+    problems = results["check"].json()["problems"]
+    assert len(problems) == 200 and all("no answer within 2 s" in p for p in problems)
+    assert problems[0].startswith("interactions[0] ('game0'): ")
+
+
+def test_4_round2_a_check_probes_a_bounded_number_of_endpoints(alice, recording_service):
+    url, seen = recording_service
+    many = {"interactions": [{"name": f"g{i}", "class_path": "gym", "config": {"env_endpoint": f"http://127.0.0.1:{i + 1}"}}
+                             for i in range(33)]}
+    answer = alice.post("/v1/env/check", json=many)
+    assert answer.status_code == 400 and "33 distinct env endpoints; one check probes at most 32" in answer.json()["error"]
+    too_many = {"interactions": [{"name": f"g{i}", "class_path": "gym", "config": {"env_endpoint": url}}
+                                 for i in range(257)]}
+    answer = alice.post("/v1/env/check", json=too_many)
+    assert answer.status_code == 422 and "body.interactions" in answer.json()["error"]
 
 
 # 5 ------------------------------------------------------------------------------------
@@ -114,12 +152,32 @@ def test_5_the_operator_picks_hosts_and_ports(start_server, tmp_path, helpers, r
         assert "is this training server's own address" in own
         job = client.post("/v1/jobs", json={"interactions": [{"name": "g", "class_path": "gym",
                                                                "config": {"env_endpoint": url}}]})
-        assert job.status_code == 422 and job.json()["detail"] == {"field": "interactions[0].config"}
+        assert job.status_code == 400 and job.json()["detail"] == {"field": "interactions[0].config"}
     nothing = start_server(tmp_path / "closed", env_hosts=[])
     with nothing.client(helpers.make_user(tmp_path / "closed", "mia")) as client:
         (problem,) = _check(client, env_endpoint=url).json()["problems"]
         assert "this server allows no environment servers" in problem and "--allow-env-host" in problem
     assert seen == []  # nothing was ever sent to a host the operator did not allow
+
+
+def test_8_the_servers_own_address_is_refused_by_any_name_that_resolves_to_it(start_server, tmp_path, helpers):
+    """The audit: with ``--allow-env-host vm`` and ``vm`` resolving to 127.0.0.1,
+    ``http://vm:<server port>`` passed. This machine's own name resolves to one of its own
+    addresses (loopback or an interface's): refused on the server's port, allowed on another."""
+    name = socket.gethostname()
+    live = start_server(tmp_path, env_hosts=[name, "localhost"])
+    port = int(live.url.rsplit(":", 1)[1])
+    key = helpers.make_user(tmp_path, "noor")
+    with live.client(key) as client:
+        for host in (name, "localhost"):
+            own = f"http://{host}:{port}"
+            (problem,) = _check(client, env_endpoint=own).json()["problems"]
+            assert f"env_endpoint {own} is this training server's own address" in problem
+            job = client.post("/v1/jobs", json={"interactions": [{"name": "g", "class_path": "gym",
+                                                                   "config": {"env_endpoint": own}}]})
+            assert job.status_code == 400 and "is this training server's own address" in job.json()["error"]
+        (other,) = _check(client, env_endpoint=f"http://{name}:1").json()["problems"]
+        assert "own address" not in other and "/health: unreachable" in other  # allowed, probed, nobody there
 
 
 def test_5_replies_do_not_reveal_other_services(alice, recording_service):

@@ -100,6 +100,39 @@ def test_admin_cli_creates_users_and_keys_that_are_stored_hashed(tmp_path):
     assert key not in dump and auth.hash_key(key) in dump
 
 
+def test_admin_cli_lists_and_revokes_keys_and_both_apis_refuse_a_revoked_key(start_server, tmp_path, helpers):
+    live = start_server(tmp_path)
+    data = str(tmp_path)
+    leaked = helpers.make_user(tmp_path, "fay")
+    kept = _cli("admin", "create-key", "fay", "--data-dir", data).stdout.strip().splitlines()[-1]
+    with live.client(leaked) as client:
+        assert client.get("/v1/jobs").status_code == 200
+    assert httpx.get(live.url + "/api/v1/sessions", headers={"X-API-Key": "tml-" + leaked}).status_code == 200
+
+    listed = _cli("admin", "list-keys", "--user", "fay", "--data-dir", data)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split("\t") for line in listed.stdout.strip().splitlines()[1:]]
+    assert [(row[1], row[2], row[4]) for row in rows] == [("fay", leaked[:8] + "...", "active"),
+                                                          ("fay", kept[:8] + "...", "active")]
+    assert leaked not in listed.stdout and kept not in listed.stdout  # only the first characters
+    revoked = _cli("admin", "revoke-key", rows[0][0], "--data-dir", data)  # by id, as an operator would
+    assert revoked.returncode == 0 and "refused from now on" in revoked.stdout
+    again = _cli("admin", "revoke-key", rows[0][0], "--data-dir", data)
+    assert again.returncode == 2 and "no active API key with key id" in again.stderr
+    assert _cli("admin", "list-keys", "--data-dir", data).stdout.count("\trevoked") == 1
+
+    # The running server refuses it at once, on both APIs; the other key still works.
+    with live.client(leaked) as client:
+        assert client.get("/v1/jobs").status_code == 401
+    assert httpx.get(live.url + "/api/v1/sessions", headers={"X-API-Key": "tml-" + leaked}).status_code == 401
+    with live.client(kept) as client:
+        assert client.get("/v1/jobs").status_code == 200
+    by_key = _cli("admin", "revoke-key", "tml-" + kept, "--data-dir", data)  # by the key itself, as the SDK sends it
+    assert by_key.returncode == 0 and kept not in by_key.stdout
+    with live.client(kept) as client:
+        assert client.get("/v1/jobs").status_code == 401
+
+
 def test_serve_runs_as_a_process_on_loopback(ray_cluster, tmp_path):
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -3,16 +3,17 @@ environment servers reachable from here (not just from the laptop)?
 
 Each spec is built as a job would build it, so its env endpoints pass the operator's
 endpoint policy (or the answer says why not, without contacting them). Only then are the
-endpoints probed (``GET /health``): at most ``max_env_shards`` per interaction, a few at a
-time, each with a timeout, in worker threads, and at most ``max_concurrent_env_checks``
-checks server-wide (429 beyond), so no check can slow other clients down.
+endpoints probed (``GET /health``), each distinct URL once however many interactions name
+it, at most ``max_env_check_probes`` of them per check (400 beyond: check fewer at a time),
+concurrently on the event loop (async httpx, no thread held), each within
+``endpoint_check_timeout_s`` and all within ``env_check_budget_s``. A user runs one check at
+a time and the server ``max_concurrent_env_checks`` (429 beyond), so a check against a
+tarpit costs its sender a few seconds and nobody else anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 from fastapi import APIRouter, Depends, Request
 
@@ -22,20 +23,20 @@ from opentinker.server.auth import current_user
 from opentinker.server.deps import get_registry, get_settings
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.settings import ServerSettings
+from opentinker.server.store import User
 
 router = APIRouter(prefix="/env", tags=["environments"], dependencies=[Depends(current_user)], responses=AUTHENTICATED_ERRORS)
 
-PROBE_THREADS = 8
+PROBE_CONCURRENCY = 16
 RETRY_AFTER_S = 5
 
 
-def probe(url: str, timeout_s: float) -> str | None:
+async def probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
     """What is wrong with ``url``'s ``/health``, or None. Says only whether it answered and
     with which status: never what a reply contained."""
     health = url.rstrip("/") + "/health"
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False, follow_redirects=False) as client:
-            status = client.get(health).status_code
+        status = (await client.get(health, timeout=timeout_s)).status_code
     except httpx.TimeoutException:
         return f"{health}: no answer within {timeout_s:g} s; is the environment server running?"
     except httpx.HTTPError:
@@ -43,26 +44,44 @@ def probe(url: str, timeout_s: float) -> str | None:
     return None if 200 <= status < 300 else f"{health}: health check answered HTTP {status}"
 
 
-def probe_all(probes: list[tuple[str, str]], timeout_s: float) -> list[str]:
-    with ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(probes)) or 1) as pool:
-        results = pool.map(lambda item: probe(item[1], timeout_s), probes)
-        return [f"{label}: {problem}" for (label, _), problem in zip(probes, results) if problem]
+async def probe_all(probes: dict[str, list[str]], timeout_s: float, budget_s: float) -> list[str]:
+    """``probes``: URL -> the labels of the interactions that use it. Every URL once, all
+    within ``budget_s``; the problems, one per label."""
+    limit = asyncio.Semaphore(PROBE_CONCURRENCY)
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
+
+        async def one(url: str) -> str | None:
+            async with limit:
+                return await probe(client, url, timeout_s)
+
+        tasks = {url: asyncio.create_task(one(url)) for url in probes}
+        await asyncio.wait(tasks.values(), timeout=budget_s)
+        problems = []
+        for url, task in tasks.items():
+            if task.done():
+                problem = task.result()
+            else:
+                task.cancel()
+                problem = f"{url.rstrip('/')}/health: not probed within this check's {budget_s:g} s"
+            problems.extend(f"{label}: {problem}" for label in probes[url] if problem)
+        return problems
 
 
 @router.post(
     "/check",
     response_model=EnvCheckResult,
     summary="Validate interaction specs and reach their env servers",
-    responses=error_responses(429),
+    responses=error_responses(400, 429),
 )
 async def check_env(
     body: EnvCheck,
     request: Request,
+    user: User = Depends(current_user),
     registry: InteractionRegistry = Depends(get_registry),
     settings: ServerSettings = Depends(get_settings),
 ) -> EnvCheckResult:
     problems: list[str] = []
-    probes: list[tuple[str, str]] = []
+    probes: dict[str, list[str]] = {}
     context = settings.job_policy.interaction_context(None)
     for i, spec in enumerate(body.interactions):
         label = f"interactions[{i}] ({spec.name!r})"
@@ -72,8 +91,17 @@ async def check_env(
         except (UnknownInteractionError, TypeError, ValueError) as exc:
             problems.append(f"{label}: {exc}")
             continue
-        probes.extend((label, url) for url in getattr(interaction, "shards", ()))
+        for url in getattr(interaction, "shards", ()):
+            probes.setdefault(url, []).append(label)
+    if len(probes) > settings.max_env_check_probes:
+        raise ApiError(400, f"interactions: {len(probes)} distinct env endpoints; one check probes at most "
+                            f"{settings.max_env_check_probes}: check fewer interactions at a time",
+                       {"field": "interactions"})
     if probes:
+        running: set[int] = request.app.state.env_checks_by_user
+        if user.id in running:
+            raise ApiError(429, "you have an env check running already; retry when it has answered",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         limiter: asyncio.Semaphore = request.app.state.env_check_slots
         if limiter.locked():
             raise ApiError(
@@ -81,6 +109,11 @@ async def check_env(
                 f"{settings.max_concurrent_env_checks} env checks are already running on this server; retry shortly",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        async with limiter:
-            problems.extend(await asyncio.to_thread(probe_all, probes, settings.endpoint_check_timeout_s))
+        running.add(user.id)
+        try:
+            async with limiter:
+                problems.extend(await probe_all(probes, settings.endpoint_check_timeout_s,
+                                                settings.env_check_budget_s))
+        finally:
+            running.discard(user.id)
     return EnvCheckResult(ok=not problems, allowed_class_paths=registry.allowed_paths(), problems=problems)
