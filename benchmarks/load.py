@@ -1,6 +1,8 @@
-"""Load on the control plane: concurrent event streams plus control requests, on loopback.
+"""Load on the control plane: concurrent event streams plus control requests, and Tinker
+clients beside a hostile sampler user, on loopback.
 
     python benchmarks/load.py [--streams 50] [--seconds 60] [--jobs 2] [--dataset-mib 19]
+                              [--tinker-clients 4] [--no-hostile]
 
 Starts ``opentinker-server serve`` (its own local Ray, the embedded tiny model) on a free
 loopback port with a fresh data folder, and ``--jobs`` real GRPO jobs that keep training
@@ -18,6 +20,17 @@ Control requests are ``GET /v1/health``, ``GET /v1/jobs``, ``GET /v1/jobs/{id}``
 threads. It prints p50 / p99 / max latency per phase and the loaded / baseline ratio, then
 the events each stream received and whether every stream saw the ids 1, 2, 3, ... with no
 gap and no repeat (the run fails if one did not). Every phase is bounded in time.
+
+The Tinker part (``--tinker-clients`` N, 0 to leave it out): before the jobs start, a probe
+user samples 2 tokens from the tiny model again and again, alone (its unloaded latency, from
+``asample`` to the result, through ``retrieve_future``). In the loaded phase, in another
+process, N users each drive the official ``tinker`` SDK in a loop (LoRA ``forward_backward``,
+``optim_step``, ``save_weights_and_get_sampling_client``, a 4 x 16-token ``sample``), and one
+hostile user keeps sending the audit's request, ``asample`` of 512 samples x 1,000 tokens
+(``stop=[]``), twice, resending after each 429 as the SDK does; the probe samples on. It
+prints the probe's latency unloaded / loaded and the SDK clients' sampling latency. The run
+fails if a stream had a gap, the control p99 under load is 100 ms or more, or the probe's
+loaded p99 is 5x its unloaded p99 or more.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ import httpx
 from opentinker.client.local_server import wait_for_health
 
 CONTROL_THREADS = 4
+TINY = "opentinker-tiny-arith"
+PROBE_PROMPT = [1, 5, 9, 12, 40, 41, 42, 43]
 JOB_CONFIG = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
               "actor_rollout_ref.rollout.n": 2, "trainer.test_freq": -1, "trainer.total_training_steps": 100000}
 
@@ -137,6 +152,95 @@ def stream_worker(url: str, key: str, job_ids: list[str], streams: int, seconds:
     return {"streams": results}
 
 
+def _sample_body(num_samples: int, max_tokens: int, **params) -> dict:
+    return {"base_model": TINY, "num_samples": num_samples,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROBE_PROMPT}]},
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, **params}}
+
+
+def _await_future(client: httpx.Client, request_id: str) -> bool:
+    """Polls ``retrieve_future`` until the result is in; False if it failed."""
+    while True:
+        response = client.post("/retrieve_future", json={"request_id": request_id})
+        if response.status_code != 200:
+            raise SystemExit(f"retrieve_future answered {response.status_code}: {response.text[:200]}")
+        if not response.headers["content-type"].startswith("application/json"):
+            return True
+        body = response.json()
+        if body.get("type") != "try_again":
+            return "error" not in body
+
+
+def probe_sampling(url: str, key: str, seconds: float, stop: threading.Event | None = None) -> list[float]:
+    """Latencies (s) of 2-token sampling requests, one after another, from ``asample`` to the result."""
+    latencies: list[float] = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": "tml-" + key}, timeout=60,
+                      trust_env=False) as client:
+        while time.monotonic() < deadline and not (stop and stop.is_set()):
+            start = time.perf_counter()
+            response = client.post("/asample", json=_sample_body(1, 2))
+            if response.status_code != 200:
+                raise SystemExit(f"the probe's asample answered {response.status_code}: {response.text[:200]}")
+            if not _await_future(client, response.json()["request_id"]):
+                raise SystemExit("the probe's sampling request failed")
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.1)
+    return latencies
+
+
+def tinker_worker(url: str, keys: list[str], hostile_key: str | None, seconds: float) -> dict:
+    """N SDK users training and sampling in a loop, and a hostile sampler user, for ``seconds``."""
+    import tinker
+    from tinker import types
+
+    stop_at = time.monotonic() + seconds
+    results: list[dict] = [{} for _ in keys]
+    hostile: dict = {"accepted": 0, "refused_429": 0, "other": 0}
+
+    def sdk_user(index: int) -> None:
+        tokens = [1, 5, 9, 12, 40, 41, 42, 43, 17, 99, 310, 7]
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        service = tinker.ServiceClient(base_url=url, api_key="tml-" + keys[index])
+        training = service.create_lora_training_client(base_model=TINY, rank=8, seed=index).result()
+        steps, sample_s = 0, []
+        while time.monotonic() < stop_at:
+            training.forward_backward([datum], "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            sampler = training.save_weights_and_get_sampling_client().result()
+            start = time.perf_counter()
+            sampler.sample(prompt=types.ModelInput.from_ints(tokens[:4]), num_samples=4,
+                           sampling_params=types.SamplingParams(max_tokens=16, temperature=1.0)).result()
+            sample_s.append(time.perf_counter() - start)
+            steps += 1
+        service.close("success").result()
+        results[index] = {"steps": steps, "sample_s": sample_s}
+
+    def hostile_user() -> None:
+        with httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": "tml-" + hostile_key}, timeout=60,
+                          trust_env=False) as client:
+            while time.monotonic() < stop_at:
+                response = client.post("/asample", json=_sample_body(512, 1000, stop=[]))
+                if response.status_code == 200:
+                    hostile["accepted"] += 1
+                elif response.status_code == 429:
+                    hostile["refused_429"] += 1
+                    time.sleep(1.0)  # what the SDK does on a sampling 429
+                else:
+                    hostile["other"] += 1
+                    time.sleep(1.0)
+
+    threads = [threading.Thread(target=sdk_user, args=(i,), daemon=True) for i in range(len(keys))]
+    if hostile_key:
+        threads.append(threading.Thread(target=hostile_user, daemon=True))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 300)
+    return {"sdk": results, "hostile": hostile}
+
+
 def show(label: str, stats: dict[str, float]) -> None:
     print(f"  {label:<9} n={stats['n']:<6} p50={stats['p50']:7.1f} ms  p99={stats['p99']:7.1f} ms  "
           f"max={stats['max']:7.1f} ms", flush=True)
@@ -148,16 +252,31 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--dataset-mib", type=float, default=19.0, help="dataset of the first job; 0: none")
+    parser.add_argument("--tinker-clients", type=int, default=4, help="tinker SDK users in the loaded phase; 0: none")
+    parser.add_argument("--no-hostile", action="store_true", help="leave out the hostile sampler user")
     parser.add_argument("--stream-worker", nargs=3, metavar=("URL", "KEY", "JOB_IDS"), help=argparse.SUPPRESS)
+    parser.add_argument("--tinker-worker", nargs=3, metavar=("URL", "KEYS", "HOSTILE_KEY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stream_worker:  # the child process
         url, key, job_ids = args.stream_worker
         print(json.dumps(stream_worker(url, key, job_ids.split(","), args.streams, args.seconds)))
         return 0
+    if args.tinker_worker:  # the other child process
+        url, keys, hostile_key = args.tinker_worker
+        print(json.dumps(tinker_worker(url, [k for k in keys.split(",") if k], hostile_key if hostile_key != "-"
+                                       else None, args.seconds)))
+        return 0
 
     data = Path(tempfile.mkdtemp(prefix="opentinker-load-"))
-    _cli(data, "admin", "create-user", "load")
-    key = _cli(data, "admin", "create-key", "load").strip().splitlines()[-1]
+
+    def new_key(name: str) -> str:
+        _cli(data, "admin", "create-user", name)
+        return _cli(data, "admin", "create-key", name).strip().splitlines()[-1]
+
+    key = new_key("load")
+    probe_key = new_key("probe") if args.tinker_clients else None
+    tinker_keys = [new_key(f"tinker-{i}") for i in range(args.tinker_clients)]
+    hostile_key = new_key("hostile") if args.tinker_clients and not args.no_hostile else None
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -166,7 +285,13 @@ def main() -> int:
           f"{args.streams} streams; {args.seconds:g} s", flush=True)
     server = start_server(data, port, args.jobs)
     headers = {"Authorization": f"Bearer {key}"}
+    sampling_alone: list[float] = []
     try:
+        if probe_key:
+            probe_sampling(url, probe_key, 1.0)  # starts the sampler
+            sampling_s = min(15.0, args.seconds / 4)
+            print(f"[load] sampling alone: the probe's 2-token requests, {sampling_s:g} s (before the jobs)", flush=True)
+            sampling_alone = probe_sampling(url, probe_key, sampling_s)
         with httpx.Client(base_url=url, headers=headers, timeout=60, trust_env=False) as client:
             job_ids = []
             for i in range(args.jobs):
@@ -186,16 +311,35 @@ def main() -> int:
         print(f"[load] baseline: control requests only, {baseline_s:g} s", flush=True)
         baseline = percentiles(control_load(url, key, job_ids, baseline_s))
         loaded_s = args.seconds - baseline_s
-        print(f"[load] loaded: control requests + {args.streams} event streams, {loaded_s:g} s", flush=True)
+        extra = f" + {args.tinker_clients} tinker SDK users" if args.tinker_clients else ""
+        extra += " + a hostile sampler user + the probe" if hostile_key else " + the probe" if probe_key else ""
+        print(f"[load] loaded: control requests + {args.streams} event streams{extra}, {loaded_s:g} s", flush=True)
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TINKER_TELEMETRY": "0"}
         worker = subprocess.Popen(
             [sys.executable, __file__, "--streams", str(args.streams), "--seconds", str(loaded_s),
              "--stream-worker", url, key, ",".join(job_ids)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE, text=True, env=child_env,
         )
+        tinker_child = None
+        if args.tinker_clients:
+            tinker_child = subprocess.Popen(
+                [sys.executable, __file__, "--seconds", str(loaded_s), "--tinker-worker", url, ",".join(tinker_keys),
+                 hostile_key or "-"], stdout=subprocess.PIPE, text=True, env=child_env)
         time.sleep(2)  # let the streams connect and catch up
+        probe_loaded: list[float] = []
+        if probe_key:
+            probe_thread = threading.Thread(
+                target=lambda: probe_loaded.extend(probe_sampling(url, probe_key, loaded_s - 2)), daemon=True)
+            probe_thread.start()
         loaded = percentiles(control_load(url, key, job_ids, loaded_s - 2))
+        if probe_key:
+            probe_thread.join(120)
         out, _ = worker.communicate(timeout=loaded_s + 120)
         streams = json.loads(out.strip().splitlines()[-1])["streams"]
+        tinker_out = {}
+        if tinker_child is not None:
+            out, _ = tinker_child.communicate(timeout=loaded_s + 400)
+            tinker_out = json.loads(out.strip().splitlines()[-1])
         with httpx.Client(base_url=url, headers=headers, timeout=60, trust_env=False) as client:
             for job_id in job_ids:
                 client.post(f"/v1/jobs/{job_id}/cancel")
@@ -213,9 +357,35 @@ def main() -> int:
     print(f"event streams: {finished}/{len(streams)} finished, events per stream min {min(events)} "
           f"median {statistics.median(events):.0f} max {max(events)}, {sum(events)} in all; "
           f"streams with a gap or repeat: {sum(1 for s in streams if s.get('gaps'))} ({gaps} gaps)")
-    ok = gaps == 0 and finished == len(streams) and min(events) > 0
-    print("gap-free: yes" if ok else "gap-free: NO", flush=True)
-    return 0 if ok else 1
+    gap_free = gaps == 0 and finished == len(streams) and min(events) > 0
+    print("gap-free: yes" if gap_free else "gap-free: NO", flush=True)
+    checks = {"event streams gap-free": gap_free, "control p99 under load < 100 ms": loaded["p99"] < 100}
+    if sampling_alone:
+        alone, beside = percentiles(sampling_alone), percentiles(probe_loaded)
+        print("the probe's 2-token sampling latency (asample to result):")
+        show("alone", alone)
+        show("loaded", beside)
+        ratio = beside["p99"] / alone["p99"]
+        print(f"  loaded / alone: p50 x{beside['p50'] / alone['p50']:.2f}, p99 x{ratio:.2f}")
+        checks["probe sampling p99 under load < 5x alone"] = ratio < 5
+    if tinker_out:
+        for index, result in enumerate(tinker_out["sdk"]):
+            if not result:
+                print(f"tinker SDK user {index}: did not finish")
+                checks["every tinker SDK user finished"] = False
+                continue
+            stats = percentiles(result["sample_s"])
+            print(f"tinker SDK user {index}: {result['steps']} steps (forward_backward, optim_step, snapshot, "
+                  f"sample 4 x 16), sample p50 {stats['p50']:.0f} ms p99 {stats['p99']:.0f} ms")
+        hostile = tinker_out["hostile"]
+        if hostile_key:
+            print(f"hostile user: 512 x 1,000-token calls accepted {hostile['accepted']}, refused with 429 "
+                  f"{hostile['refused_429']}, other answers {hostile['other']}")
+            checks["the hostile user's extra calls were refused with 429"] = hostile["refused_429"] > 0 \
+                and hostile["other"] == 0
+    for name, passed in checks.items():
+        print(f"check: {name}: {'yes' if passed else 'NO'}")
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":
