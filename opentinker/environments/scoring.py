@@ -46,6 +46,9 @@ Scorer = Callable[[str, str], float]
 
 # A number as GSM8K answers write it: optional sign and $, digits with optional
 # thousands commas, optional decimals. Used by flexible extraction.
+REGEX_TIMEOUT_S = 0.1  # per search of a client's pattern ('regex' scorer)
+MAX_PATTERN_CHARS = 1000
+MAX_REGEX_INPUT_CHARS = 100_000
 _NUMBER = re.compile(r"[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 # GSM8K's strict format: the answer follows "#### ".
 _STRICT = re.compile(r"####\s*([-+]?\$?\s*[\d.,]*\d)")
@@ -116,9 +119,16 @@ def score_regex(response: str, truth: str, pattern: str) -> float:
 
     The pattern's first group (or the whole match when it has none) is compared with
     :func:`score_exact`; when both sides are numbers they are also compared as numbers
-    (``"1,000"`` matches ``"1000"``). No match scores 0.0.
+    (``"1,000"`` matches ``"1000"``). No match scores 0.0, and so does a search that takes
+    longer than ``REGEX_TIMEOUT_S``: the pattern is the client's, so a catastrophically
+    backtracking one (``(a|aa)+$``) must not hold the trainer (the ``regex`` module stops it).
     """
-    match = re.search(pattern, str(response))
+    import regex  # here, not at the top: the thin client imports this module, and needs no regex
+
+    try:
+        match = regex.search(pattern, str(response)[:MAX_REGEX_INPUT_CHARS], timeout=REGEX_TIMEOUT_S)
+    except TimeoutError:
+        return 0.0
     if match is None:
         return 0.0
     found = match.group(1) if match.re.groups else match.group(0)
@@ -235,11 +245,15 @@ def get_scorer(name: str, **options: str) -> Scorer:
         raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(sorted(SCORERS))}")
     if name == "regex":
         pattern = options.pop("pattern", None)
-        if not pattern:
-            raise ValueError("the 'regex' scorer needs a 'pattern'")
+        if not pattern or not isinstance(pattern, str):
+            raise ValueError("the 'regex' scorer needs a 'pattern' (text)")
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise ValueError(f"pattern: at most {MAX_PATTERN_CHARS} characters, got {len(pattern)}")
+        import regex
+
         try:
-            re.compile(pattern)
-        except re.error as exc:
+            regex.compile(pattern)
+        except (regex.error, OverflowError, RecursionError) as exc:
             raise ValueError(f"invalid regex pattern {pattern!r}: {exc}") from exc
         if options:
             raise ValueError(f"scorer 'regex' takes only 'pattern', got {sorted(options)}")

@@ -66,7 +66,7 @@ import math
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -167,15 +167,23 @@ class EnvJobStats:
     user_errors: int = 0
 
 
+MAX_TRACKED_JOBS = 256  # job ids with counters of their own in /health
+
+
 @dataclass
 class EnvServerStats(EnvJobStats):
     """Totals over all jobs, and ``by_job``: the same counters per job id (``DEFAULT_JOB``
-    for requests without one)."""
+    for requests without one), for the ``MAX_TRACKED_JOBS`` most recently active jobs (a
+    client picks job ids: the table must not grow with them)."""
 
-    by_job: dict[str, EnvJobStats] = field(default_factory=dict)
+    by_job: OrderedDict[str, EnvJobStats] = field(default_factory=OrderedDict)
 
     def count(self, job_id: str | None, counter: str) -> None:
-        job = self.by_job.setdefault(job_id if job_id is not None else DEFAULT_JOB, EnvJobStats())
+        key = job_id if job_id is not None else DEFAULT_JOB
+        job = self.by_job.pop(key, None) or EnvJobStats()
+        self.by_job[key] = job  # now the most recent
+        if len(self.by_job) > MAX_TRACKED_JOBS:
+            self.by_job.popitem(last=False)
         for counts in (self, job):
             setattr(counts, counter, getattr(counts, counter) + 1)
 

@@ -102,6 +102,20 @@ def test_reset_step_finalize_round_trip(server):
     assert iid not in app.state.instances
 
 
+def test_health_keeps_counters_for_a_bounded_number_of_job_ids(server):
+    """Job ids come from clients: 300 of them leave the newest MAX_TRACKED_JOBS in /health."""
+    from opentinker.environments.server import MAX_TRACKED_JOBS
+
+    _, client = server
+    for i in range(MAX_TRACKED_JOBS + 44):
+        iid = new_id()
+        client.post("/reset", json={"instance_id": iid, "label": "x", "job_id": f"job-{i}"})
+        client.post("/finalize", json={"instance_id": iid, "job_id": f"job-{i}"})
+    jobs = client.get("/health").json()["jobs"]
+    assert len(jobs) == MAX_TRACKED_JOBS
+    assert f"job-{MAX_TRACKED_JOBS + 43}" in jobs and "job-0" not in jobs
+
+
 def test_plain_text_reset_and_seed_only_when_given(server):
     _, client = server
     iid = new_id()

@@ -16,6 +16,7 @@ from opentinker.environments.scoring import (
     score_math,
     score_regex,
 )
+from opentinker.environments.text_interactions import SimpleTextEnvironment
 
 
 @pytest.mark.parametrize(
@@ -80,6 +81,25 @@ def test_score_regex():
     assert score_regex("no marker", "blue", pattern) == 0.0
     assert score_regex("Answer: 1,000", "1000", pattern) == 1.0  # numeric comparison
     assert score_regex("value=7 and more", "value=7", r"value=\d+") == 1.0  # whole match without groups
+
+
+def test_a_backtracking_client_pattern_is_stopped_and_scores_zero():
+    """The audit: a client-sent pattern for SimpleTextEnvironment could backtrack for ever in
+    the trainer. The search is stopped after REGEX_TIMEOUT_S (the ``regex`` module's timeout)
+    and counts as no match; patterns are bounded and checked when the interaction is made."""
+    import threading
+
+    done = threading.Event()
+    result = []
+    worker = threading.Thread(target=lambda: (result.append(score_regex("a" * 40 + "b", "1", r"(a|aa)+$")),
+                                              done.set()), daemon=True)
+    worker.start()
+    # With the standard library's re this search runs for hours; stopped, it ends at once.
+    assert done.wait(30) and result == [0.0]
+    with pytest.raises(ValueError, match="pattern: at most 1000 characters"):
+        get_scorer("regex", pattern="a" * 1001)
+    with pytest.raises(ValueError, match="invalid regex pattern"):
+        SimpleTextEnvironment({"scorer": "regex", "pattern": "(unclosed"})
 
 
 def test_extract_boxed_balances_braces():
