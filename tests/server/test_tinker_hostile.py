@@ -161,7 +161,7 @@ def test_sparse_and_oversized_tensors_are_refused_before_anything_is_allocated(s
          "data[0].loss_fn_inputs['weights']: shape [1, 536870912], expected [5] (one value per model input token)"),
         # 8 MiB of empty datums: about 230 MB once parsed, were it parsed.
         (pb.ForwardBackwardRequest(model_id=tiny_lora, seq_id=1, loss_fn="cross_entropy").SerializeToString()
-         + b"\x1a\x00" * (4 * MiB), "forward_backward: the body is not a ForwardBackwardRequest this server takes "
+         + b"\x1a\x00" * (4 * MiB), "forward_backward: the body is not a ForwardBackwardRequest protobuf "
                                     "(the body holds more than 262144 fields, messages and repeated values)"),
     ]
     growths = []
