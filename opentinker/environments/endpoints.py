@@ -14,7 +14,11 @@ Host names are matched as names (exact, or ``*.suffix`` for sub-domains), IP lit
 against IP and CIDR rules, so a rule for a name trusts what that name resolves to. The one
 lookup made: an endpoint on the control plane's own port is refused when its host is, or
 resolves to (within a second; a name that does not resolve in time is refused too), a
-loopback or unspecified address or an address of one of this machine's interfaces.
+loopback or unspecified address or an address of one of this machine's interfaces. Only a
+name some rule allows is looked up (a client cannot make the server resolve names of its
+choosing), answers are kept for a while, and at most ``MAX_LOOKUPS`` run at once: past
+that a name counts as unresolved at once, so a client naming hosts whose DNS never
+answers costs seconds, not a second per name.
 
 No torch, no server imports: the thin client normalises endpoints with the same code.
 """
@@ -23,8 +27,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -165,9 +170,53 @@ def _parse_ports(text: str, rule: str) -> tuple[int, int]:
 
 
 RESOLVE_TIMEOUT_S = 1.0
+RESOLVE_CACHE_S = 30.0  # how long an answer (or its absence) is kept
+RESOLVE_CACHE_SIZE = 256
+MAX_LOOKUPS = 4  # lookups running at once; getaddrinfo cannot be cancelled, so a hung one holds its thread
+
+_lock = threading.Lock()
+_running = 0
+_answers: OrderedDict[str, tuple[float, frozenset[str] | None]] = OrderedDict()
 
 
-def _own_addresses() -> set[str]:
+def _resolve(host: str) -> frozenset[str] | None:
+    """The addresses ``host`` resolves to, or None when it does not within RESOLVE_TIMEOUT_S
+    (or every lookup slot is taken by one that has not come back)."""
+    global _running
+    now = time.monotonic()
+    with _lock:
+        cached = _answers.get(host)
+        if cached is not None and now - cached[0] < RESOLVE_CACHE_S:
+            return cached[1]
+        if _running >= MAX_LOOKUPS:
+            return None  # not kept: the name may well resolve once the slots are free
+        _running += 1
+    addresses: list[frozenset[str]] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        global _running
+        try:
+            addresses.append(frozenset(info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)))
+        except (OSError, UnicodeError):
+            pass
+        finally:
+            with _lock:
+                _running -= 1
+            done.set()
+
+    # getaddrinfo has no timeout of its own; a daemon thread, so one that hangs never holds up exit.
+    threading.Thread(target=lookup, name="env-endpoint-lookup", daemon=True).start()
+    found = addresses[0] if done.wait(RESOLVE_TIMEOUT_S) and addresses else None
+    with _lock:
+        _answers[host] = (now, found)
+        _answers.move_to_end(host)
+        while len(_answers) > RESOLVE_CACHE_SIZE:
+            _answers.popitem(last=False)
+    return found
+
+
+def _own_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The addresses of this machine's interfaces, and what its host name resolves to."""
     found: set[str] = set()
     try:
@@ -178,30 +227,24 @@ def _own_addresses() -> set[str]:
     except ImportError:  # the thin client; the server has psutil
         pass
     found.update(_resolve(socket.gethostname()) or ())
-    return found
+    return {ip for ip in map(_as_ip, found) if ip is not None}
 
 
-def _resolve(host: str) -> set[str] | None:
-    """The addresses ``host`` resolves to, or None when it does not within RESOLVE_TIMEOUT_S."""
-    with ThreadPoolExecutor(max_workers=1) as pool:  # getaddrinfo itself has no timeout
-        future = pool.submit(socket.getaddrinfo, host, None)
-        try:
-            return {info[4][0].split("%")[0] for info in future.result(timeout=RESOLVE_TIMEOUT_S)}
-        except (OSError, UnicodeError, FutureTimeout):
-            return None
-        finally:
-            pool.shutdown(wait=False)
-
-
-def _is_own(host: str) -> bool:
-    """Whether ``host`` is, or resolves to, an address of this machine (see the module doc)."""
+def _own_without_lookup(host: str) -> bool:
+    """Whether ``host`` is a loopback name, or an IP literal of this machine."""
     if host in _LOOPBACK_NAMES or host.endswith(".localhost"):
         return True
     ip = _as_ip(host)
-    addresses = {ip} if ip is not None else {_as_ip(a) for a in (_resolve(host) or ())}
-    if ip is None and not addresses:
-        return True  # does not resolve: it cannot be shown not to be this machine
-    own = {_as_ip(a) for a in _own_addresses()}
+    return ip is not None and (ip.is_loopback or ip.is_unspecified or ip in _own_addresses())
+
+
+def _resolves_to_own(host: str) -> bool:
+    """Whether the name ``host`` resolves to an address of this machine, or does not resolve
+    (then it cannot be shown not to be this machine)."""
+    addresses = {_as_ip(a) for a in (_resolve(host) or ())}
+    if not addresses:
+        return True
+    own = _own_addresses()
     return any(a is None or a.is_loopback or a.is_unspecified or a in own for a in addresses)
 
 
@@ -228,7 +271,8 @@ class EndpointPolicy:
         """The normalised endpoint, or :class:`EndpointError` naming ``field``."""
         scheme, host, port = _split(url, field)
         normalised = _url(scheme, host, port)
-        if self.own_port is not None and port == self.own_port and _is_own(host):
+        own_port = self.own_port is not None and port == self.own_port
+        if own_port and _own_without_lookup(host):
             raise EndpointError(f"{field} {normalised} is this training server's own address")
         if not any(rule.matches(host, port) for rule in self.rules):
             if not self.rules:
@@ -239,4 +283,8 @@ class EndpointPolicy:
             raise EndpointError(
                 f"{field} {normalised} is not allowed on this server (allowed env hosts: {self.describe()})"
             )
+        # After the rules: only names the operator allowed are ever looked up.
+        if own_port and _as_ip(host) is None and _resolves_to_own(host):
+            raise EndpointError(f"{field} {normalised} is this training server's own address (the name resolves "
+                                "to this machine, or did not resolve within a second)")
         return normalised

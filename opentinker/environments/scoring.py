@@ -44,11 +44,12 @@ __all__ = [
 
 Scorer = Callable[[str, str], float]
 
-# A number as GSM8K answers write it: optional sign and $, digits with optional
-# thousands commas, optional decimals. Used by flexible extraction.
 REGEX_TIMEOUT_S = 0.1  # per search of a client's pattern ('regex' scorer)
 MAX_PATTERN_CHARS = 1000
-MAX_REGEX_INPUT_CHARS = 100_000
+MAX_REGEX_INPUT_CHARS = 100_000  # of a response, searched with a client's pattern
+
+# A number as GSM8K answers write it: optional sign and $, digits with optional
+# thousands commas, optional decimals. Used by flexible extraction.
 _NUMBER = re.compile(r"[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 # GSM8K's strict format: the answer follows "#### ".
 _STRICT = re.compile(r"####\s*([-+]?\$?\s*[\d.,]*\d)")

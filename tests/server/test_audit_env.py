@@ -3,8 +3,10 @@ and requests to hosts, ports and paths a client picked (5)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 
 import pytest
 
@@ -101,10 +103,65 @@ def test_4_round2_two_hundred_interactions_at_a_tarpit_cost_their_sender_only(al
     other = _check(bob, env_endpoint=healthy)  # some service on loopback: probed, it answers 404
     assert other.status_code == 200 and other.json()["problems"][0].endswith("health check answered HTTP 404")
     assert thread.is_alive()  # bob's check answered while alice's was still waiting on the tarpit
-    thread.join(60)
+    thread.join(6 + 10)  # the check's budget (env_check_budget_s), and room for a loaded machine
+    assert not thread.is_alive()
     problems = results["check"].json()["problems"]
     assert len(problems) == 200 and all("no answer within 2 s" in p for p in problems)
     assert problems[0].startswith("interactions[0] ('game0'): ")
+
+
+@contextlib.contextmanager
+def endless_health():
+    """An env server whose ``/health`` answers 200 and then sends its body for ever, a chunk
+    every 0.2 s (so no read ever times out)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                while not stop.wait(0.2):
+                    conn.sendall(b"1\r\nx\r\n")
+            except OSError:  # the prober hung up: what it should do
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_4_round2_a_check_ends_within_its_budget_and_never_reads_a_reply_body(start_server, tmp_path, helpers,
+                                                                                tarpit):
+    """Probes still waiting when ``env_check_budget_s`` is spent are reported as not answered
+    (here the per-probe timeout alone would wait 30 s), and a /health whose body never ends
+    counts as answered: only its status is read."""
+    url, _ = tarpit
+    live = start_server(tmp_path, endpoint_check_timeout_s=30.0, env_check_budget_s=1.0)
+    with live.client(helpers.make_user(tmp_path, "ola")) as client, endless_health() as endless:
+        body = {"interactions": [{"name": "stuck", "class_path": "gym", "config": {"env_endpoint": url}},
+                                 {"name": "endless", "class_path": "gym", "config": {"env_endpoint": endless}}]}
+        started = time.monotonic()
+        answer = client.post("/v1/env/check", json=body)
+        elapsed = time.monotonic() - started
+    assert answer.status_code == 200
+    assert answer.json()["problems"] == [
+        f"interactions[0] ('stuck'): {url}/health: not answered within this check's budget of 1 s"]
+    assert elapsed < 10  # the 1 s budget and a loaded machine's slack, never the 30 s probe timeout
 
 
 def test_4_round2_a_check_probes_a_bounded_number_of_endpoints(alice, recording_service):
@@ -187,3 +244,19 @@ def test_5_replies_do_not_reveal_other_services(alice, recording_service):
     assert problem.endswith(f"{url}/health: health check answered HTTP 404")
     assert "SECRET" not in answer.text
     assert [request["path"] for request in seen] == ["/health"]  # a fixed protocol path, nothing the client chose
+
+
+# 12 -----------------------------------------------------------------------------------
+
+
+def test_12_a_regex_scorer_pattern_is_checked_when_the_job_is_made(alice):
+    """The pattern is the client's and runs in the trainer: bounded and compiled up front, so a
+    bad one is a 400 naming the field, not a failure mid-training."""
+    for pattern, message in (("a" * 1001, "pattern: at most 1000 characters, got 1001"),
+                             ("(unclosed", "invalid regex pattern '(unclosed'")):
+        spec = {"name": "quiz", "class_path": "simple_text", "config": {"scorer": "regex", "pattern": pattern}}
+        job = alice.post("/v1/jobs", json={"interactions": [spec]})
+        assert job.status_code == 400 and job.json()["detail"] == {"field": "interactions[0].config"}
+        assert job.json()["error"].startswith("interactions[0] ('quiz'): ") and message in job.json()["error"]
+        (problem,) = alice.post("/v1/env/check", json={"interactions": [spec]}).json()["problems"]
+        assert message in problem

@@ -36,7 +36,9 @@ async def probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | 
     with which status: never what a reply contained."""
     health = url.rstrip("/") + "/health"
     try:
-        status = (await client.get(health, timeout=timeout_s)).status_code
+        # Streamed and never read: the status is all we need, and a body may be endless.
+        async with client.stream("GET", health, timeout=timeout_s) as reply:
+            status = reply.status_code
     except httpx.TimeoutException:
         return f"{health}: no answer within {timeout_s:g} s; is the environment server running?"
     except httpx.HTTPError:
@@ -55,16 +57,38 @@ async def probe_all(probes: dict[str, list[str]], timeout_s: float, budget_s: fl
                 return await probe(client, url, timeout_s)
 
         tasks = {url: asyncio.create_task(one(url)) for url in probes}
-        await asyncio.wait(tasks.values(), timeout=budget_s)
+        _, late = await asyncio.wait(tasks.values(), timeout=budget_s)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)  # their connections closed before the client is
         problems = []
         for url, task in tasks.items():
-            if task.done():
-                problem = task.result()
+            if task in late:
+                problem = f"{url.rstrip('/')}/health: not answered within this check's budget of {budget_s:g} s"
             else:
-                task.cancel()
-                problem = f"{url.rstrip('/')}/health: not probed within this check's {budget_s:g} s"
+                problem = task.result()
             problems.extend(f"{label}: {problem}" for label in probes[url] if problem)
         return problems
+
+
+def build_all(body: EnvCheck, registry: InteractionRegistry, settings: ServerSettings,
+              ) -> tuple[list[str], dict[str, list[str]]]:
+    """Each spec built as a job would build it: the problems, and the endpoints to probe
+    (normalised URL -> the labels of the interactions that use it)."""
+    problems: list[str] = []
+    probes: dict[str, list[str]] = {}
+    context = settings.job_policy.interaction_context(None)
+    for i, spec in enumerate(body.interactions):
+        label = f"interactions[{i}] ({spec.name!r})"
+        try:
+            registry.resolve(spec.class_path)
+            (interaction,) = registry.build([spec], context=context).values()
+        except (UnknownInteractionError, TypeError, ValueError) as exc:
+            problems.append(f"{label}: {exc}")
+            continue
+        for url in getattr(interaction, "shards", ()):
+            probes.setdefault(url, []).append(label)
+    return problems, probes
 
 
 @router.post(
@@ -80,19 +104,8 @@ async def check_env(
     registry: InteractionRegistry = Depends(get_registry),
     settings: ServerSettings = Depends(get_settings),
 ) -> EnvCheckResult:
-    problems: list[str] = []
-    probes: dict[str, list[str]] = {}
-    context = settings.job_policy.interaction_context(None)
-    for i, spec in enumerate(body.interactions):
-        label = f"interactions[{i}] ({spec.name!r})"
-        try:
-            registry.resolve(spec.class_path)
-            (interaction,) = registry.build([spec], context=context).values()
-        except (UnknownInteractionError, TypeError, ValueError) as exc:
-            problems.append(f"{label}: {exc}")
-            continue
-        for url in getattr(interaction, "shards", ()):
-            probes.setdefault(url, []).append(label)
+    # In a thread: checking an endpoint on the server's own port may wait for a DNS lookup.
+    problems, probes = await asyncio.to_thread(build_all, body, registry, settings)
     if len(probes) > settings.max_env_check_probes:
         raise ApiError(400, f"interactions: {len(probes)} distinct env endpoints; one check probes at most "
                             f"{settings.max_env_check_probes}: check fewer interactions at a time",
