@@ -18,8 +18,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -368,4 +370,25 @@ def helpers():
         StandInRunner=StandInRunner,
         LiveServer=LiveServer,  # LiveServer(test_settings(...), runner_cls=None): the real JobRunner
         test_settings=test_settings,
+        run_schemathesis=run_schemathesis,
     )
+
+
+def run_schemathesis(workdir: Path, document_url: str, header: str, expected_statuses: list[str],
+                     max_examples: int, base_url: str | None = None,
+                     hooks: Path | None = None, timeout_s: float = 900) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """schemathesis (its CLI, all checks, seed 1) over the document at ``document_url``,
+    ``positive_data_acceptance`` accepting ``expected_statuses``; the finished process and
+    its JSON report. ``hooks``: a module of schemathesis hooks (``SCHEMATHESIS_HOOKS``)."""
+    config = workdir / "schemathesis.toml"
+    config.write_text(f"[checks.positive_data_acceptance]\nexpected-statuses = {json.dumps(expected_statuses)}\n")
+    report = workdir / "report.json"
+    command = [
+        sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()",
+        "--config-file", str(config), "run", document_url, *(["--url", base_url] if base_url else []),
+        "--header", header, "--checks", "all", "--max-examples", str(max_examples), "--seed", "1",
+        "--report", "json", "--report-json-path", str(report),
+    ]  # fmt: skip
+    env = {**os.environ, **({"SCHEMATHESIS_HOOKS": str(hooks)} if hooks else {})}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=workdir, env=env)
+    return done, json.loads(report.read_text())

@@ -11,36 +11,20 @@ says (so the document states every bound it enforces).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("schemathesis")
 
 MAX_EXAMPLES = 70  # per operation and phase: about 1,250 requests in all
-CONFIG = """
-[checks.positive_data_acceptance]
-expected-statuses = ["2xx", "400", "401", "404", "409", "413", "429"]
-"""
+EXPECTED_STATUSES = ["2xx", "400", "401", "404", "409", "413", "429"]
 
 
 def test_fuzz_every_operation_with_all_checks(start_server, tmp_path, helpers):
     live = start_server(tmp_path / "data", max_running_jobs_per_user=1, max_queued_jobs_per_user=2)
     key = helpers.make_user(tmp_path / "data", "fuzzer")
-    config = tmp_path / "schemathesis.toml"
-    config.write_text(CONFIG)
-    report = tmp_path / "report.json"
-    command = [
-        sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()",
-        "--config-file", str(config), "run", f"{live.url}/openapi.json",
-        "--header", f"Authorization: Bearer {key}", "--checks", "all",
-        "--max-examples", str(MAX_EXAMPLES), "--seed", "1",
-        "--report", "json", "--report-json-path", str(report),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    summary = json.loads(report.read_text())
+    done, summary = helpers.run_schemathesis(tmp_path, f"{live.url}/openapi.json", f"Authorization: Bearer {key}",
+                                             EXPECTED_STATUSES, MAX_EXAMPLES, timeout_s=600)
     print(f"schemathesis: {summary['test_cases']['generated']} cases over {summary['operations']['tested']} "
           f"operations, {summary['test_cases']['with_failures']} with failures")
     assert done.returncode == 0, done.stdout[-8000:]

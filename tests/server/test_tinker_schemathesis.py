@@ -11,10 +11,6 @@ session, a model, a checkpoint) or that this server refuses by design: the docum
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,29 +19,16 @@ pytest.importorskip("schemathesis")
 pytest.importorskip("tinker")
 
 MAX_EXAMPLES = 25  # per operation and phase: about 1,500 requests in all
-CONFIG = """
-[checks.positive_data_acceptance]
-expected-statuses = ["2xx", "400", "401", "404", "409", "410", "413", "422", "429"]
-"""
+EXPECTED_STATUSES = ["2xx", "400", "401", "404", "409", "410", "413", "422", "429"]
+# forward_backward's body is protobuf bytes: sent raw, like application/octet-stream.
+HOOKS = Path(__file__).with_name("schemathesis_protobuf_hooks.py")
 
 
 def test_fuzz_every_tinker_operation_with_all_checks(start_server, tmp_path, helpers):
     live = start_server(tmp_path / "data", tinker_max_models=1, tinker_max_sessions_per_user=4)
     key = helpers.make_user(tmp_path / "data", "fuzzer")
-    config = tmp_path / "schemathesis.toml"
-    config.write_text(CONFIG)
-    report = tmp_path / "report.json"
-    command = [
-        sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()",
-        "--config-file", str(config), "run", f"{live.url}/api/v1/openapi.json", "--url", live.url,
-        "--header", f"X-API-Key: tml-{key}", "--checks", "all",
-        "--max-examples", str(MAX_EXAMPLES), "--seed", "1",
-        "--report", "json", "--report-json-path", str(report),
-    ]  # fmt: skip
-    hooks = {"SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("schemathesis_protobuf_hooks.py"))}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                          env={**os.environ, **hooks})
-    summary = json.loads(report.read_text())
+    done, summary = helpers.run_schemathesis(tmp_path, f"{live.url}/api/v1/openapi.json", f"X-API-Key: tml-{key}",
+                                             EXPECTED_STATUSES, MAX_EXAMPLES, base_url=live.url, hooks=HOOKS)
     print(f"schemathesis (Tinker API): {summary['test_cases']['generated']} cases over "
           f"{summary['operations']['tested']} operations, {summary['test_cases']['with_failures']} with failures")
     assert done.returncode == 0, done.stdout[-8000:]
