@@ -148,7 +148,8 @@ class Event(_Model):
 
     status: ``{"status": ..., "reason"?: ...}``; progress: ``{"step", "total_steps"}``;
     metrics: ``{"step", "metrics": {name: value}}``; checkpoint: ``{"step", "name"}``;
-    error: ``{"message"}``; log: ``{"message"}``.
+    error: ``{"message", "error_id"}`` (the id names the trace in the server's log);
+    log: ``{"message"}``.
     """
 
     id: int

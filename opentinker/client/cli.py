@@ -127,6 +127,8 @@ def format_event(event: Event) -> str:
         summary = f"{data.get('name')} (step {data.get('step')})"
     elif event.type in ("error", "log"):
         summary = str(data.get("message"))
+        if data.get("error_id"):  # what to quote to the operator, who has the trace
+            summary += f" (error id {data['error_id']})"
     else:
         summary = str(data)
     clock = time.strftime("%H:%M:%S", time.localtime(event.created_at))

@@ -22,11 +22,13 @@ from opentinker.environments.registry import default_registry
 from opentinker.json_value import add_json_value_schema
 from opentinker.protocol import API_PREFIX
 from opentinker.server import dashboard
+from opentinker.server.auth import FailedAuthLimiter
 from opentinker.server.errors import install_error_handlers
 from opentinker.server.event_bus import EventBus
 from opentinker.server.jobs import JobManager
 from opentinker.server.middleware import BodySizeLimit
 from opentinker.server.model_serving import ModelServing
+from opentinker.server.request_body import add_body_schemas
 from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, steps
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
@@ -44,7 +46,7 @@ def interrupted_reason(now: dt.datetime | None = None) -> str:
 
 def _document(app: FastAPI, settings: ServerSettings) -> dict:
     """The OpenAPI document, with the bounds that are this server's settings (not the models')."""
-    document = add_json_value_schema(FastAPI.openapi(app))
+    document = add_body_schemas(add_json_value_schema(FastAPI.openapi(app)))
     document["components"]["schemas"]["StepBatch"]["properties"]["rows"]["maxItems"] = settings.max_rows_per_step
     return document
 
@@ -98,6 +100,8 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     app.state.registry = registry
     app.state.step_locks = {}
     app.state.tokenizers = Tokenizers(settings.job_policy)
+    limit = settings.auth_failures_per_minute
+    app.state.auth_limiter = FailedAuthLimiter(limit) if limit else None
     install_error_handlers(app)
     for module in (health, models, jobs, steps, events, checkpoints, env, completions):
         app.include_router(module.router, prefix=API_PREFIX)

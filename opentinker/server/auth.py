@@ -10,7 +10,12 @@ byte by byte, and the hash of a wrong key says nothing about the right one.
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -20,6 +25,8 @@ from opentinker.server.store import Store, User
 
 KEY_PREFIX = "ot-"
 DISPLAY_PREFIX_CHARS = 8
+
+log = logging.getLogger("opentinker.server.auth")
 
 
 def hash_key(key: str) -> str:
@@ -56,6 +63,61 @@ def authenticate(store: Store, key: str) -> User | None:
 
 def revoke_api_key(store: Store, key: str) -> bool:
     return store.revoke_api_key(hash_key(key))
+
+
+class FailedAuthLimiter:
+    """Wrong API keys per client address, counted in windows of ``window_s`` seconds.
+
+    Past ``limit`` in a window, a wrong key from that address is answered 429 with
+    Retry-After (the window's end) instead of 401. A right key from it is still accepted:
+    keys are 256 random bits, so this limit is not what stops guessing, and refusing right
+    keys would let one client behind a shared address (a NAT, a proxy, loopback) lock out
+    everyone else behind it. What it does is push back a client stuck on a wrong key (a
+    script retrying in a loop, a scanner) with an answer that says to wait. At most
+    ``max_addresses`` are tracked, the least recently failing dropped first, so many
+    addresses cannot grow it without bound. Used from the event loop only (no lock).
+    """
+
+    def __init__(self, limit: int, window_s: float = 60.0, max_addresses: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic):
+        self.limit = limit
+        self.window_s = window_s
+        self.max_addresses = max_addresses
+        self._clock = clock
+        self._windows: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (start, failures)
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def failed(self, address: str) -> float | None:
+        """Count a wrong key from ``address``: the seconds it must wait when that puts it
+        over the limit, else None."""
+        now = self._clock()
+        start, failures = self._windows.pop(address, (now, 0))
+        if now - start >= self.window_s:
+            start, failures = now, 0
+        failures += 1
+        self._windows[address] = (start, failures)  # the most recent last
+        if len(self._windows) > self.max_addresses:
+            self._windows.popitem(last=False)
+        if failures <= self.limit:
+            return None
+        if failures == self.limit + 1:
+            log.warning("%s sent more than %d wrong API keys within %gs; answering 429 until the minute is over",
+                        address, self.limit, self.window_s)
+        return start + self.window_s - now
+
+
+def refuse_key(request: Request, unauthorized: ApiError) -> ApiError:
+    """The answer to a wrong API key: ``unauthorized`` (401), or 429 once the client's
+    address has sent too many (``app.state.auth_limiter``; None: no limit)."""
+    limiter: FailedAuthLimiter | None = getattr(request.app.state, "auth_limiter", None)
+    wait = limiter.failed(request.client.host if request.client else "") if limiter is not None else None
+    if wait is None:
+        return unauthorized
+    seconds = max(1, math.ceil(wait))
+    return ApiError(429, f"too many wrong API keys from this address (more than {limiter.limit} a minute); "
+                         f"retry after {seconds} s with a valid key", headers={"Retry-After": str(seconds)})
 
 
 # auto_error=False: a missing header must give our 401 body, not FastAPI's 403.
@@ -100,5 +162,5 @@ async def current_user(request: Request, credentials: HTTPAuthorizationCredentia
         return session.user
     user = authenticate(request.app.state.store, credentials.credentials.strip())
     if user is None:
-        raise _unauthorized("invalid or revoked API key")
+        raise refuse_key(request, _unauthorized("invalid or revoked API key"))
     return user

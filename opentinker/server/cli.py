@@ -8,7 +8,7 @@
     opentinker-server admin create-key USER [--data-dir DIR]     # prints the key once
     opentinker-server admin list-users [--data-dir DIR]
     opentinker-server admin list-keys [--user NAME] [--data-dir DIR]
-    opentinker-server admin revoke-key KEY_ID|KEY [--data-dir DIR]
+    opentinker-server admin revoke-key KEY_ID|KEY | --user NAME [--data-dir DIR]
 
 Heavy imports (Ray, the app) happen only in ``serve``, so admin commands start fast.
 """
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     quotas.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
     quotas.add_argument("--max-rows-per-step", type=int, default=4096, help="client mode: rows in one pushed step")
     quotas.add_argument("--max-queued-steps", type=int, default=4, help="client mode: batches a job may queue")
+    quotas.add_argument("--auth-failures-per-minute", type=int, default=20, metavar="N",
+                        help="wrong API keys one client address may send in a minute; past it they are answered "
+                             "429 with Retry-After (a right key is still accepted); 0: no limit (default: %(default)s)")
     tinker = serve.add_argument_group("the Tinker API (/api/v1)")
     tinker.add_argument("--tinker-strategy", choices=["local", "fsdp"], default="local",
                         help="backend of each training client's model (default: %(default)s)")
@@ -127,13 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(create_key)
     list_users = admin_commands.add_parser("list-users", help="users and their number of active keys")
     _add_data_dir(list_users)
-    list_keys = admin_commands.add_parser("list-keys", help="API keys: id, user, first characters, created, state")
+    list_keys = admin_commands.add_parser(
+        "list-keys", help="API keys: id, user, first characters, created, state, last used (to the minute)")
     list_keys.add_argument("--user", help="only this user's keys")
     _add_data_dir(list_keys)
     revoke_key = admin_commands.add_parser(
         "revoke-key", help="revoke an API key at once (both APIs and the dashboard), by its id from list-keys "
-                           "or by the key itself")
-    revoke_key.add_argument("key", metavar="KEY_ID|KEY")
+                           "or by the key itself; or every key of a user (--user)")
+    revoked_keys = revoke_key.add_mutually_exclusive_group(required=True)
+    revoked_keys.add_argument("key", metavar="KEY_ID|KEY", nargs="?", help="an id from list-keys, or the key itself")
+    revoked_keys.add_argument("--user", help="revoke all of this user's active keys")
     _add_data_dir(revoke_key)
     return parser
 
@@ -152,24 +158,40 @@ def _list_keys(store, user_name: str | None) -> int:
     keys = store.list_api_keys(user)
     if not keys:
         print("no API keys yet; make one with: opentinker-server admin create-key USER")
-    print("id\tuser\tkey starts\tcreated (UTC)\tstate")
+    print("id\tuser\tkey starts\tcreated (UTC)\tstate\tlast used (UTC)")
     for key in keys:
-        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(key.created_at))
-        print(f"{key.id}\t{key.user_name}\t{key.prefix}...\t{created}\t{'revoked' if key.revoked else 'active'}")
+        state = "revoked" if key.revoked else "active"
+        print(f"{key.id}\t{key.user_name}\t{key.prefix}...\t{_utc(key.created_at)}\t{state}\t{_utc(key.last_used_at)}")
     return 0
 
 
-def _revoke_key(store, key: str) -> int:
-    """By id (digits, from list-keys) or by the key itself; never echoes a key."""
+def _utc(timestamp: float | None) -> str:
+    return "never" if timestamp is None else time.strftime("%Y-%m-%d %H:%M", time.gmtime(timestamp))
+
+
+def _revoke_key(store, key: str | None, user_name: str | None) -> int:
+    """By id (digits, from list-keys), by the key itself, or all of a user's; never echoes a key."""
     from opentinker.server import auth
 
+    everywhere = "(the main API, the Tinker API and the dashboard)"
+    if user_name is not None:
+        user = store.get_user(user_name)
+        if user is None:
+            return _fail(f"no user {user_name!r} (opentinker-server admin list-users)")
+        ids = [k.id for k in store.list_api_keys(user) if not k.revoked and store.revoke_api_key_id(k.id)]
+        if not ids:
+            return _fail(f"{user_name!r} has no active API key (opentinker-server admin list-keys)")
+        print(f"revoked {len(ids)} key(s) of {user_name!r} (id {', '.join(map(str, ids))}): they are refused "
+              f"from now on {everywhere}")
+        return 0
+    assert key is not None
     if key.isdigit():
         done, what = store.revoke_api_key_id(int(key)), f"key id {key}"
     else:
         done, what = auth.revoke_api_key(store, key.removeprefix("tml-")), "that key"
     if not done:
         return _fail(f"no active API key with {what} (opentinker-server admin list-keys)")
-    print(f"revoked {what}: it is refused from now on (the main API, the Tinker API and the dashboard)")
+    print(f"revoked {what}: it is refused from now on {everywhere}")
     return 0
 
 
@@ -190,8 +212,9 @@ def _admin(args: argparse.Namespace) -> int:
                 key = auth.create_api_key(store, args.user)
             except LookupError as exc:
                 return _fail(f"{exc}; create it first with: opentinker-server admin create-user {args.user}")
-            print(f"API key for {args.user!r} (it is stored hashed and will not be shown again; "
-                  "with the tinker SDK, send it as tml-<key>):")
+            (info,) = store.list_api_keys(key_hash=auth.hash_key(key))
+            print(f"API key id {info.id} for {args.user!r} (list-keys and revoke-key name it by that id; the key "
+                  "is stored hashed and will not be shown again; with the tinker SDK, send it as tml-<key>):")
             print(key)
         elif args.admin_command == "list-users":
             users = store.list_users()
@@ -202,7 +225,7 @@ def _admin(args: argparse.Namespace) -> int:
         elif args.admin_command == "list-keys":
             return _list_keys(store, args.user)
         elif args.admin_command == "revoke-key":
-            return _revoke_key(store, args.key)
+            return _revoke_key(store, args.key, args.user)
         return 0
     finally:
         store.close()
@@ -250,6 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * 2**20),
             max_rows_per_step=args.max_rows_per_step,
             max_queued_steps=args.max_queued_steps,
+            auth_failures_per_minute=args.auth_failures_per_minute,
             tinker_strategy=args.tinker_strategy,
             tinker_ranks=args.tinker_ranks,
             tinker_max_models_per_user=args.tinker_max_models_per_user,

@@ -56,8 +56,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
-#: What any authenticated route can answer.
-AUTHENTICATED_ERRORS = error_responses(401, 413, 422, 500)
+#: What any authenticated route can answer (429: too many wrong keys from the client's address).
+AUTHENTICATED_ERRORS = error_responses(401, 413, 422, 429, 500)
 
 
 def not_found(what: str) -> ApiError:

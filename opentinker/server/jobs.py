@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -230,6 +231,12 @@ class JobManager:
         # Job actors live in this server's own namespace, so that servers sharing a Ray
         # cluster never see (or sweep) each other's actors.
         self.namespace = f"{RAY_NAMESPACE}-{store.server_id()[:12]}"
+        # What redact() replaces, longest first (a model folder may sit in the data folder).
+        paths = {str(settings.data_dir.resolve()): "<data dir>", str(settings.data_dir): "<data dir>"}
+        for model in settings.job_policy.models:
+            if model.path and os.path.isabs(os.path.expanduser(model.path)):
+                paths[os.path.expanduser(model.path).rstrip("/")] = f"<model {model.name}>"
+        self._private_paths = sorted(paths.items(), key=lambda item: -len(item[0]))
 
     # lifecycle -----------------------------------------------------------------------
 
@@ -384,7 +391,8 @@ class JobManager:
         except Exception as exc:  # the runner class failed to import, bad options, ...
             log.exception("job %s: could not start its runner", job.job_id)
             del self._active[job.job_id]
-            self.store.set_status(job.job_id, JobStatus.FAILED, error=f"could not start the job's runner: {exc}")
+            self.store.set_status(job.job_id, JobStatus.FAILED,
+                                  error=self.redact(f"could not start the job's runner: {exc}"))
             return
         if self.store.get_job(job.job_id).status is not JobStatus.QUEUED:  # cancelled meanwhile
             self._kill(active)
@@ -476,6 +484,9 @@ class JobManager:
         events = normalize_events(raw)
         if not events:
             return
+        for event in events:
+            if event["type"] == "error":
+                event["data"] = self._published_error(active.job_id, event["data"])
         self.store.append_runner_events(active.job_id, events)
         for event in events:
             step = event["data"].get("step")
@@ -524,10 +535,10 @@ class JobManager:
             if run is not None and run.done() and run.exception() is not None:
                 exc = run.exception()  # type: ignore[assignment]
             log.warning("job %s failed: %s", job_id, ray_failure_reason(exc))
-            self.store.set_status(job_id, JobStatus.FAILED, error=ray_failure_reason(exc))
+            self.store.set_status(job_id, JobStatus.FAILED, error=self.redact(ray_failure_reason(exc)))
         except Exception as exc:
             log.exception("job %s: watching the runner failed", job_id)
-            self.store.set_status(job_id, JobStatus.FAILED, error=ray_failure_reason(exc))
+            self.store.set_status(job_id, JobStatus.FAILED, error=self.redact(ray_failure_reason(exc)))
         finally:
             if run is not None:
                 if run.done():
@@ -543,6 +554,22 @@ class JobManager:
                 del self._active[job_id]
             if self._started:  # a slot is free: start the next queued job
                 self._schedule_soon()
+
+    def _published_error(self, job_id: str, data: dict[str, Any]) -> dict[str, Any]:
+        """An error event as users see it: its message (server paths replaced) and an id to
+        quote. Its trace goes to this server's log under that id, never to the store."""
+        trace = data.pop("traceback", None)
+        error_id = str(data.get("error_id") or uuid.uuid4().hex[:12])
+        message = self.redact(str(data.get("message") or "the job's runner reported an error"))
+        log.error("job %s: error %s: %s%s", job_id, error_id, message, f"\n{trace}" if trace else "")
+        return {**data, "message": message, "error_id": error_id}
+
+    def redact(self, text: str) -> str:
+        """``text`` without this server's folders: the data folder and served models' paths
+        (exception messages name them; where things live on the server is the operator's business)."""
+        for path, label in self._private_paths:
+            text = text.replace(path, label)
+        return text
 
     def _finish(self, job_id: str, result: Any) -> None:
         if not isinstance(result, dict):
@@ -561,7 +588,7 @@ class JobManager:
         self.store.set_status(
             job_id,
             status,
-            error=str(error) if error else None,
+            error=self.redact(str(error)) if error else None,
             step=step if isinstance(step, int) else None,
         )
 

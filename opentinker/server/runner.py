@@ -9,7 +9,6 @@ node of a Ray cluster; nothing in this module touches the server's database.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import traceback
@@ -23,8 +22,6 @@ from opentinker.protocol import JobCreate
 from opentinker.server.policy import JobPolicy
 
 _BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
-
-log = logging.getLogger("opentinker.server.runner")
 
 
 class NotServingError(RuntimeError):
@@ -139,13 +136,13 @@ class JobRunner:
             return {"status": "cancelled", "error": None, "step": self.step}
         except Exception as error:  # the job fails; the server and other jobs go on
             message = f"{type(error).__name__}: {error}"
-            # The user gets the message and an id to quote; the trace (server file paths) stays
-            # in the server's log (Ray forwards the actor's log to the server's).
+            # The user gets the message and an id to quote. The trace (server file paths) rides
+            # along to the JobManager, which logs it under that id in the server's own log and
+            # never stores it (this actor's log is Ray's, not forwarded: log_to_driver=False).
             error_id = uuid.uuid4().hex[:12]
-            log.error("job %s failed (error id %s): %s\n%s", self.job_id, error_id, message,
-                      traceback.format_exc(limit=20))
-            self._emit("error", {"message": message, "error_id": error_id})
-            return {"status": "failed", "error": message, "step": self.step}
+            self._emit("error", {"message": message, "error_id": error_id,
+                                 "traceback": traceback.format_exc(limit=20)})
+            return {"status": "failed", "error": f"{message} (error id {error_id})", "step": self.step}
         finally:
             with self._between_steps:  # a request being served ends first
                 self._trainer, self._stopped = None, True

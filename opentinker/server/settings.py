@@ -56,9 +56,12 @@ class ServerSettings:
     runner_call_timeout_s: float = 10.0  # control calls (queued, request_checkpoint) to a runner
     keepalive_s: float = 10.0  # SSE comment interval, so proxies keep idle streams open
     endpoint_check_timeout_s: float = 3.0  # POST /v1/env/check: per env server /health
-    env_check_budget_s: float = 6.0  # POST /v1/env/check: all its probes (the rest are reported unprobed)
+    env_check_budget_s: float = 6.0  # POST /v1/env/check: all its probes (the rest are reported not answered)
     max_env_check_probes: int = 32  # POST /v1/env/check: distinct env endpoints per check (400 beyond)
     dashboard_session_s: float = 12 * 3600.0  # a dashboard login (cookie) lasts this long
+    # Wrong API keys one client address may send in a minute before they are answered 429
+    # instead of 401 (a right key is still accepted: auth.FailedAuthLimiter); 0: no limit.
+    auth_failures_per_minute: int = 20
     # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
     tinker_ranks: int = 1  # FSDP ranks per model (tinker_strategy=fsdp)
@@ -94,8 +97,9 @@ class ServerSettings:
                      "tinker_max_queued_requests_per_user"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued_jobs_per_user < 0:
-            raise ValueError(f"max_queued_jobs_per_user must be >= 0, got {self.max_queued_jobs_per_user}")
+        for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.serve_device not in ("cpu", "cuda"):
             raise ValueError(f"serve_device must be 'cpu' or 'cuda', got {self.serve_device!r}")
         if self.tinker_strategy not in ("local", "fsdp"):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.protocol import CheckpointInfo, Event, JobInfo, JobStatus, StepAccepted
+from opentinker.server import large_json
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS users (
@@ -105,7 +106,8 @@ CREATE TABLE IF NOT EXISTS dashboard_sessions (
 """
 
 _UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-_DATA_FIELDS = ("dataset", "val_dataset")
+KEY_USE_RESOLUTION_S = 60.0  # how stale an API key's last_used_at may be
+DATA_FIELDS = ("dataset", "val_dataset")
 # Columns added after the first release, with their SQL type (old stores get them at open).
 _ADDED_JOB_COLUMNS = {
     "idempotency_key": "TEXT",
@@ -136,6 +138,7 @@ class ApiKeyInfo:
     prefix: str
     created_at: float
     revoked: bool
+    last_used_at: float | None = None  # to the minute (KEY_USE_RESOLUTION_S); None: never used
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,8 @@ class Store:
             self._conn.execute("CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs(status, created_at)")
             if "rows_json" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(steps)")}:
                 self._conn.execute("ALTER TABLE steps ADD COLUMN rows_json TEXT")
+            if "last_used_at" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(api_keys)")}:
+                self._conn.execute("ALTER TABLE api_keys ADD COLUMN last_used_at REAL")
             self._move_datasets_out_of_specs()
         self.on_events: Callable[[str], None] | None = None  # called with a job id after its events change
 
@@ -230,11 +235,11 @@ class Store:
         rows = self._conn.execute("SELECT job_id, spec_json FROM jobs WHERE spec_sha256 IS NULL").fetchall()
         for row in rows:
             spec = json.loads(row["spec_json"])
-            data = {name: spec.pop(name, None) for name in _DATA_FIELDS}
+            data = {name: spec.pop(name, None) for name in DATA_FIELDS}
             self._conn.execute("BEGIN IMMEDIATE")
             self._conn.execute(
                 "INSERT OR REPLACE INTO job_data (job_id, dataset_json, val_dataset_json) VALUES (?, ?, ?)",
-                (row["job_id"], *(None if data[n] is None else json.dumps(data[n]) for n in _DATA_FIELDS)),
+                (row["job_id"], *(None if data[n] is None else json.dumps(data[n]) for n in DATA_FIELDS)),
             )
             self._conn.execute(
                 "UPDATE jobs SET spec_json = ?, spec_sha256 = '' WHERE job_id = ?", (json.dumps(spec), row["job_id"])
@@ -305,22 +310,34 @@ class Store:
             )
 
     def user_for_key_hash(self, key_hash: str) -> User | None:
+        """The owner of the (unrevoked) key of ``key_hash``; notes when the key was last used."""
         rows = self._query(
-            "SELECT u.id, u.name, u.created_at FROM api_keys k JOIN users u ON u.id = k.user_id "
-            "WHERE k.key_hash = ? AND k.revoked = 0",
+            "SELECT u.id, u.name, u.created_at, k.id AS key_id, k.last_used_at FROM api_keys k "
+            "JOIN users u ON u.id = k.user_id WHERE k.key_hash = ? AND k.revoked = 0",
             (key_hash,),
         )
-        return User(**dict(rows[0])) if rows else None
+        if not rows:
+            return None
+        row, now = rows[0], time.time()
+        # A write at most once a minute per key, not one per request.
+        if row["last_used_at"] is None or now - row["last_used_at"] >= KEY_USE_RESOLUTION_S:
+            with self._transaction() as conn:
+                conn.execute("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, row["key_id"]))
+        return User(id=row["id"], name=row["name"], created_at=row["created_at"])
 
-    def list_api_keys(self, user: User | None = None) -> list[ApiKeyInfo]:
+    def list_api_keys(self, user: User | None = None, key_hash: str | None = None) -> list[ApiKeyInfo]:
+        """Every key (or ``user``'s, or the one of ``key_hash``), oldest first."""
         sql = (
-            "SELECT k.id, u.name AS user_name, k.prefix, k.created_at, k.revoked "
-            "FROM api_keys k JOIN users u ON u.id = k.user_id"
+            "SELECT k.id, u.name AS user_name, k.prefix, k.created_at, k.revoked, k.last_used_at "
+            "FROM api_keys k JOIN users u ON u.id = k.user_id WHERE 1"
         )
-        params: tuple[Any, ...] = ()
+        params: list[Any] = []
         if user is not None:
-            sql += " WHERE k.user_id = ?"
-            params = (user.id,)
+            sql += " AND k.user_id = ?"
+            params.append(user.id)
+        if key_hash is not None:
+            sql += " AND k.key_hash = ?"
+            params.append(key_hash)
         rows = self._query(sql + " ORDER BY k.id", params)
         return [ApiKeyInfo(**{**dict(r), "revoked": bool(r["revoked"])}) for r in rows]
 
@@ -396,8 +413,10 @@ class Store:
         """
         now = time.time()
         spec = dict(spec)
-        data = {name: spec.pop(name, None) for name in _DATA_FIELDS}
+        data = {name: spec.pop(name, None) for name in DATA_FIELDS}
         digest = spec_digest({**spec, **data})
+        # Encoded before the store's lock is taken, so other requests' queries need not wait for it.
+        data_json = [None if data[n] is None else large_json.dumps(data[n]) for n in DATA_FIELDS]
         with self._transaction() as conn:
             if idempotency_key is not None:
                 row = conn.execute(
@@ -433,7 +452,7 @@ class Store:
             )
             conn.execute(
                 "INSERT INTO job_data (job_id, dataset_json, val_dataset_json) VALUES (?, ?, ?)",
-                (job_id, *(None if data[n] is None else json.dumps(data[n]) for n in _DATA_FIELDS)),
+                (job_id, *data_json),
             )
             self._append_event(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
         self._notify(job_id)
@@ -453,10 +472,10 @@ class Store:
         """The job's datasets: ``{"dataset": rows | None, "val_dataset": rows | None}``."""
         rows = self._query("SELECT dataset_json, val_dataset_json FROM job_data WHERE job_id = ?", (job_id,))
         if not rows:
-            return dict.fromkeys(_DATA_FIELDS)
+            return dict.fromkeys(DATA_FIELDS)
         return {
-            name: None if rows[0][column] is None else json.loads(rows[0][column])
-            for name, column in zip(_DATA_FIELDS, ("dataset_json", "val_dataset_json"))
+            name: None if rows[0][column] is None else large_json.loads(rows[0][column])
+            for name, column in zip(DATA_FIELDS, ("dataset_json", "val_dataset_json"))
         }
 
     def unfinished_jobs(self, status: JobStatus | None = None) -> list[JobRecord]:
@@ -729,7 +748,10 @@ class QuotaExceeded(Exception):
 
 def spec_digest(spec: dict[str, Any]) -> str:
     """A stable hash of a job's whole request body (to tell a retried create from a new one)."""
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+    digest = hashlib.sha256()
+    for chunk in large_json.dumps_chunks(spec, sort_keys=True, separators=(",", ":")):  # = json.dumps's text
+        digest.update(chunk.encode("utf-8"))
+    return digest.hexdigest()
 
 
 def _job(row: sqlite3.Row) -> JobRecord:

@@ -55,20 +55,20 @@ def test_cancel_while_waiting_for_a_batch(tiny_model_dir, tmp_path):
     assert outcome == {"status": "cancelled", "error": None, "step": 1}
 
 
-def test_a_failing_job_reports_why_with_an_error_id_and_no_trace(tmp_path, caplog):
+def test_a_failing_job_reports_why_with_an_error_id(tmp_path):
     # A served model whose folder the operator got wrong: the job fails and says so.
     policy = JobPolicy(models=parse_served_models([f"broken={tmp_path / 'nope'}"]))
     runner = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": "broken"}},
                        str(tmp_path), policy)
-    with caplog.at_level("ERROR", logger="opentinker.server.runner"):
-        outcome = runner.run()
-    assert outcome["status"] == "failed" and "does not exist" in outcome["error"]
+    outcome = runner.run()
     (event,) = runner.drain_events()
-    assert event["type"] == "error" and set(event["data"]) == {"message", "error_id"}
-    assert "Traceback" not in str(event) and ".py" not in str(event)  # no server file paths
-    # The trace is in the server's log, under the id the user can quote.
-    (record,) = [r for r in caplog.records if event["data"]["error_id"] in r.getMessage()]
-    assert "Traceback (most recent call last)" in record.getMessage()
+    error_id = event["data"]["error_id"]
+    assert outcome["status"] == "failed" and "does not exist" in outcome["error"]
+    assert outcome["error"].endswith(f"(error id {error_id})")
+    # The trace goes to the JobManager, which logs it and publishes only the message and id
+    # (tests/server/test_operator_tooling.py checks what a user sees).
+    assert event["type"] == "error" and set(event["data"]) == {"message", "error_id", "traceback"}
+    assert event["data"]["traceback"].startswith("Traceback (most recent call last)")
 
 
 def test_the_runner_applies_the_policy_again(tmp_path):

@@ -191,6 +191,9 @@ def test_settings(data_dir: Path, **overrides: Any) -> ServerSettings:
         env_hosts=["127.0.0.1"],  # the tests' env servers run on loopback
         max_running_jobs_per_user=100,  # the quota tests set their own
         max_queued_jobs_per_user=100,
+        # The suite sends ~100 wrong keys from 127.0.0.1 on purpose (every route, both APIs);
+        # test_operator_tooling.py checks the default limit.
+        auth_failures_per_minute=1000,
     )
     values.update(overrides)
     return ServerSettings(**values)

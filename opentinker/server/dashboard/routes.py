@@ -28,6 +28,7 @@ from opentinker.server.auth import (
     current_user,
     hash_key,
     new_session_token,
+    refuse_key,
 )
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
@@ -88,7 +89,7 @@ async def log_in(body: SessionCreate, request: Request) -> Response:
     if authenticate(store, key) is not None:
         session = store.create_session(hash_key(key), hash_key(token), settings.dashboard_session_s)
     if session is None:
-        raise ApiError(401, "invalid or revoked API key")
+        raise refuse_key(request, ApiError(401, "invalid or revoked API key"))
     response = Response(status_code=204)
     response.set_cookie(
         SESSION_COOKIE, token, max_age=int(settings.dashboard_session_s), path="/", httponly=True,

@@ -17,8 +17,9 @@ from opentinker.server.deps import get_manager, get_registry, get_settings, get_
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.jobs import JobManager
 from opentinker.server.policy import JobPolicy, PolicyError
+from opentinker.server.request_body import documented_body, read_model
 from opentinker.server.settings import ServerSettings
-from opentinker.server.store import JobRecord, QuotaExceeded, Store, User, spec_digest
+from opentinker.server.store import DATA_FIELDS, JobRecord, QuotaExceeded, Store, User, spec_digest
 from opentinker.server.validation import RowRules, rows_problems
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(current_user)], responses=AUTHENTICATED_ERRORS)
@@ -106,9 +107,9 @@ async def _check_data(body: JobCreate, cfg: Any, classes: dict[str, type], token
         200: {"description": "a retry with an Idempotency-Key already used: the job created then"},
         **error_responses(400, 409, 429),
     },
+    openapi_extra=documented_body(JobCreate),  # read by read_model, off the event loop (a dataset can be large)
 )
 async def create_job(
-    body: JobCreate,
     request: Request,
     response: Response,
     idempotency_key: str | None = idempotency_key_header(),
@@ -118,6 +119,7 @@ async def create_job(
     registry: InteractionRegistry = Depends(get_registry),
     settings: ServerSettings = Depends(get_settings),
 ) -> JobCreated:
+    body = await read_model(request, JobCreate)
     policy = settings.job_policy
     try:
         cfg = policy.client_config(body.config)
@@ -128,10 +130,13 @@ async def create_job(
     placement = manager.placement_problem(cfg)
     if placement:
         raise ApiError(400, placement, {"field": "config.trainer.n_gpus_per_node"})
-    classes = interaction_classes(body.interactions, registry, policy)
+    # In a thread: checking an endpoint on the server's own port may wait for a DNS lookup.
+    classes = await asyncio.to_thread(interaction_classes, body.interactions, registry, policy)
     await _check_data(body, cfg, classes, request.app.state.tokenizers)
 
-    spec = body.model_dump(mode="json")
+    # The rows as they came (wire_problem made them plain JSON): dumping them again would hold
+    # the GIL for as long as decoding them did.
+    spec = {**body.model_dump(mode="json", exclude=set(DATA_FIELDS)), **{f: getattr(body, f) for f in DATA_FIELDS}}
     limit = settings.max_running_jobs_per_user + settings.max_queued_jobs_per_user
     try:
         job, created, digest = await asyncio.to_thread(
@@ -156,7 +161,7 @@ async def create_job(
             headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
         ) from exc
     if not created:  # a retry whose first answer was lost: the job already exists
-        if digest != spec_digest(spec):
+        if digest != await asyncio.to_thread(spec_digest, spec):
             raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for a different job ({job.job_id})")
         response.status_code = 200
         return JobCreated(job_id=job.job_id)

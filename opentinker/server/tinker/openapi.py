@@ -28,7 +28,7 @@ _DESCRIPTIONS = {
     429: "over a limit that frees up by itself; retry after Retry-After seconds (the SDK does)",
 }
 #: What every route with a key can answer.
-COMMON_ERRORS = (401, 413, 422)
+COMMON_ERRORS = (401, 413, 422, 429)  # 429: too many wrong keys from the client's address
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 import opentinker
 from opentinker.protocol import MAX_INT
-from opentinker.server.auth import authenticate
+from opentinker.server.auth import authenticate, refuse_key
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
 from opentinker.server.tinker import openapi, schemas, wire
@@ -79,7 +79,7 @@ async def tinker_user(request: Request, header: str | None = Depends(_api_key)) 
                             "TINKER_API_KEY)")
     user = authenticate(request.app.state.store, key.removeprefix(SDK_KEY_PREFIX))
     if user is None:
-        raise ApiError(401, "invalid or revoked API key")
+        raise refuse_key(request, ApiError(401, "invalid or revoked API key"))
     return user
 
 

@@ -341,8 +341,8 @@
         addLog(event, "checkpoint " + data.name + " saved", false);
         if (live) refreshCheckpoints(dash.generation);
         break;
-      case "error":
-        addLog(event, data.message, true);
+      case "error":  // the id is what to quote to the operator, who has the trace
+        addLog(event, data.message + (data.error_id ? " (error id " + data.error_id + ")" : ""), true);
         break;
       case "log":
         addLog(event, data.message, data.level === "warning" || data.level === "error");
