@@ -126,6 +126,28 @@ def test_busy_users_get_equal_service(engine, arithmetic_prompt_ids):
     assert set(h.done) == {"a", "b"}
 
 
+def test_a_newcomer_does_not_start_at_zero_service(engine, arithmetic_prompt_ids):
+    """Bob has been sampling alone for a while (short calls, idle between them): his service
+    adds up. Alice arrives while nobody is busy, with far more work than a lane holds. Bob's
+    next short call must not wait until she has had as much service as he had in all (she
+    starts at the scheduler's virtual time, not at zero): it is done within a few steps."""
+    h = Harness(engine, max_rows=8, max_user_tokens=10**6)
+    for i in range(20):  # 20 calls x 8 tokens: bob's service is ~1.6 s of the harness's clock
+        h.submit(f"bob-{i}", "bob", arithmetic_prompt_ids[1], 1, 8, seed=i)
+        h.run()
+    bob_served = h.scheduler.users["bob"].served_s
+    assert bob_served >= 1.0 and not h.scheduler.works  # nobody busy when alice comes
+    h.submit("a", "alice", arithmetic_prompt_ids[0], 64, 60)
+    h.run(until=lambda: h.scheduler.steps >= 5 + 20 * 8)
+    submitted_at = h.scheduler.steps
+    h.submit("b", "bob", arithmetic_prompt_ids[1], 1, 2, seed=7)
+    h.run(until=lambda: "b" in h.done)
+    assert h.finished_at["b"] - submitted_at <= 4
+    assert h.scheduler.users["alice"].served_s >= bob_served - 0.05  # she started about where he was
+    h.run()
+    assert "a" in h.done
+
+
 def test_light_users_share_one_lane(engine, arithmetic_prompt_ids):
     """Three users with a couple of samples each are decoded in one batch, not three."""
     h = Harness(engine, max_rows=16)

@@ -6,9 +6,12 @@ their own; users with a few (at most ``shared_rows``) share one lane per weights
 users are decoded together. Each round the scheduler:
 
 1. picks a user by **service time**: every forward pass is timed and charged to the users of
-   its lane (split by rows), and the user served least so far goes next (a user who was idle
-   comes back ``idle_credit_s`` ahead of the least served busy user: no credit for the idle
-   time, enough to finish a short call in one go). A request that needs little therefore
+   its lane (split by rows), and the user served least so far goes next. A user who arrives,
+   or comes back from idle, starts ``idle_credit_s`` ahead of the scheduler's *virtual time*
+   (the least service of a busy user, which never goes back, also while nobody is busy): no
+   credit for the idle time, enough to finish a short call in one go, and no debt for service
+   had before (else a newcomer would start at zero and have the model to itself until it
+   caught up with everyone served before it came). A request that needs little therefore
    finishes in about its own time whatever else is queued: one user's 512 x 1,000-token call
    costs another user's 2-token call about one forward pass of the big lane;
 2. loads that user's weights if they are not the ones loaded, unless a user on the loaded
@@ -125,6 +128,7 @@ class SampleScheduler:
         self.users: dict[Hashable, UserState] = {}
         self.lanes: dict[LaneKey, DecodeBatch] = {}
         self.loaded: str | None = None
+        self.virtual_s = 0.0  # fair queuing's clock: the least service of a busy user, never going back
         self.live_rows = 0
         self.live_tokens = 0
         self.waiting_samples = 0  # samples of accepted calls not yet prefilled
@@ -186,10 +190,9 @@ class SampleScheduler:
             state = self.users.get(work.user)
             if state is None:
                 state = self.users[work.user] = UserState()
-            if not state.busy:  # back from idle: no credit for the idle time, a little to finish a short call
-                busy = [s.served_s for s in self.users.values() if s.busy]
-                if busy:
-                    state.served_s = max(state.served_s, min(busy) - self.limits.idle_credit_s)
+            if not state.busy:  # new, or back from idle: see the module docstring
+                self._advance_virtual_time()
+                state.served_s = max(state.served_s, self.virtual_s - self.limits.idle_credit_s)
             state.queue.append(work)
             self.works[work.work_id] = work
             self.waiting_samples += work.waiting
@@ -197,6 +200,12 @@ class SampleScheduler:
     def _charge(self, shares: dict[Hashable, float], seconds: float) -> None:
         for user, share in shares.items():
             self.users[user].served_s += share * seconds
+        self._advance_virtual_time()
+
+    def _advance_virtual_time(self) -> None:
+        busy = [state.served_s for state in self.users.values() if state.busy]
+        if busy:
+            self.virtual_s = max(self.virtual_s, min(busy))
 
     # -- choosing ----------------------------------------------------------------------
     def _lane_for(self, user: Hashable, snapshot: str) -> LaneKey:
