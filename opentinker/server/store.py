@@ -694,19 +694,19 @@ class Store:
 
     def add_step(self, job_id: str, accepted: StepAccepted, idempotency_key: str | None,
                  rows: list[dict[str, Any]] | None = None) -> None:
+        rows_json = None if rows is None else large_json.dumps(rows)  # before the lock, as in create_job
         with self._transaction() as conn:
             conn.execute(
                 "INSERT INTO steps (job_id, step, idempotency_key, accepted_json, created_at, rows_json) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
-                (job_id, accepted.step, idempotency_key, accepted.model_dump_json(), time.time(),
-                 None if rows is None else json.dumps(rows)),
+                (job_id, accepted.step, idempotency_key, accepted.model_dump_json(), time.time(), rows_json),
             )
 
     def pushed_rows_after(self, job_id: str, step: int) -> list[tuple[int, list[dict[str, Any]]]]:
         """The rows of the job's pushed steps after ``step``, in step order."""
         rows = self._query("SELECT step, rows_json FROM steps WHERE job_id = ? AND step > ? AND rows_json IS NOT NULL "
                            "ORDER BY step", (job_id, step))
-        return [(r["step"], json.loads(r["rows_json"])) for r in rows]
+        return [(r["step"], large_json.loads(r["rows_json"])) for r in rows]
 
     # resuming -------------------------------------------------------------------------
 

@@ -39,11 +39,11 @@ def test_large_json_writes_what_json_writes():
     assert spec_digest(value) == earlier
 
 
-def test_other_requests_are_answered_while_a_large_dataset_is_processed(start_server, tmp_path, helpers):
-    live = start_server(tmp_path)
-    key = helpers.make_user(tmp_path, "uploader")
-    body, count, last_row = dataset_json(21)
-    assert len(body) > 20 * 2**20
+def send_while_polling_health(live, key: str, path: str, body: bytes) -> tuple:
+    """POSTs ``body`` to ``path`` in 1 MiB chunks while another connection asks ``/v1/health``
+    back to back. Returns the answer, the seconds from sending to the answer, and the longest
+    health request; asserts health requests sent after the whole body were answered before it
+    (so the server was not stuck on it)."""
     sent = threading.Event()  # the last byte of the body has been handed to the connection
 
     def chunks():
@@ -56,7 +56,7 @@ def test_other_requests_are_answered_while_a_large_dataset_is_processed(start_se
     def send() -> None:
         with live.client(key) as client:
             started = time.monotonic()
-            upload["response"] = client.post("/v1/jobs", content=chunks(), headers={"Content-Type": "application/json"},
+            upload["response"] = client.post(path, content=chunks(), headers={"Content-Type": "application/json"},
                                              timeout=300)
             upload["started"], upload["ended"] = started, time.monotonic()
 
@@ -69,19 +69,24 @@ def test_other_requests_are_answered_while_a_large_dataset_is_processed(start_se
             assert anonymous.get("/v1/health").status_code == 200
             health.append((asked, time.monotonic(), after_body))
     thread.join()
-
-    response = upload["response"]
-    assert response.status_code == 201, response.text[:500]
-    processing = upload["ended"] - upload["started"]
     during = [(asked, answered) for asked, answered, after_body in health if after_body and answered < upload["ended"]]
-    # Ordering: health requests sent after the whole dataset had been sent were answered
-    # before the upload's own answer, so the server was not stuck decoding it.
     assert during, "no health request was answered while the upload was processed"
+    processing = upload["ended"] - upload["started"]
+    longest = max(answered - asked for asked, answered, _ in health)
+    print(f"{path}: {len(body) / 2**20:.1f} MiB in {processing:.2f} s; {len(health)} health requests meanwhile "
+          f"({len(during)} after the body), longest {longest * 1000:.0f} ms")
+    return upload["response"], processing, longest
+
+
+def test_other_requests_are_answered_while_a_large_dataset_is_processed(start_server, tmp_path, helpers):
+    live = start_server(tmp_path)
+    key = helpers.make_user(tmp_path, "uploader")
+    body, count, last_row = dataset_json(21)
+    assert len(body) > 20 * 2**20
+    response, processing, longest = send_while_polling_health(live, key, "/v1/jobs", body)
+    assert response.status_code == 201, response.text[:500]
     # The event loop's longest stall, seen from outside: much shorter than the processing
     # (on the loop, decoding and validating alone stalled it for most of it).
-    longest = max(answered - asked for asked, answered, _ in health)
-    print(f"upload of {len(body) / 2**20:.1f} MiB ({count} rows): {processing:.2f} s; "
-          f"{len(health)} health requests meanwhile ({len(during)} after the body), longest {longest * 1000:.0f} ms")
     assert longest < processing / 5, (longest, processing)
 
     job_id = response.json()["job_id"]
@@ -92,6 +97,26 @@ def test_other_requests_are_answered_while_a_large_dataset_is_processed(start_se
         assert len(stored) == count and stored[-1] == last_row
     finally:
         store.close()
+
+
+def test_a_large_step_push_is_read_off_the_loop(start_server, tmp_path, helpers):
+    """A client-mode step of 4,096 rows (about 15 MiB, each row's extra_info heavy) is decoded
+    and validated in a worker thread: health is answered meanwhile, and the push's own answer
+    (409: step 1 comes first) is given only after the whole body was checked."""
+    live = start_server(tmp_path)
+    key = helpers.make_user(tmp_path, "pusher")
+    job_id = helpers.create_job(live.client(key), "big step", mode="client", steps=3)
+    row = json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"},
+                      "extra_info": {"steps": [{"k": j} for j in range(320)]}})
+    body = ('{"step": 2, "rows": [' + ", ".join([row] * 4096) + "]}").encode()
+    assert len(body) > 15 * 2**20
+    response, processing, longest = send_while_polling_health(live, key, f"/v1/jobs/{job_id}/steps", body)
+    assert response.status_code == 409 and "expected step 1" in response.json()["error"], response.text[:300]
+    assert longest < processing / 5, (longest, processing)
+    with live.client(key) as client:
+        assert client.post(f"/v1/jobs/{job_id}/steps", content=b'{"step": 1,',
+                           headers={"Content-Type": "application/json"}).status_code == 422
+        client.post(f"/v1/jobs/{job_id}/cancel")
 
 
 def test_a_job_body_read_off_the_loop_is_refused_as_fastapi_would(alice):

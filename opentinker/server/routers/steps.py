@@ -19,6 +19,7 @@ from opentinker.server.auth import current_user
 from opentinker.server.deps import get_manager, get_registry, get_settings, get_store, owned_job
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
+from opentinker.server.request_body import documented_body, read_model
 from opentinker.server.routers.jobs import check_rows, idempotency_key_header
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
@@ -61,9 +62,9 @@ def _duplicate(accepted: StepAccepted, response: Response) -> StepAccepted:
         200: {"description": "a repeat of an accepted step (duplicate: true)"},
         **error_responses(400, 404, 409, 429, 503),
     },
+    openapi_extra=documented_body(StepBatch),  # read by read_model, off the event loop (up to 64 MiB of rows)
 )
 async def push_step(
-    body: StepBatch,
     request: Request,
     response: Response,
     job: JobRecord = Depends(owned_job),
@@ -74,6 +75,7 @@ async def push_step(
     registry: InteractionRegistry = Depends(get_registry),
 ) -> StepAccepted:
     job_id = job.job_id
+    body = await read_model(request, StepBatch)
     if job.mode != "client":
         raise ApiError(409, f"job {job_id} runs in {job.mode} mode; only client-mode jobs take pushed steps")
     if len(body.rows) > settings.max_rows_per_step:
@@ -137,5 +139,6 @@ async def push_step(
             raise ApiError(500, f"the job's runner failed to take step {body.step}: {cause or exc}") from exc
 
         accepted = StepAccepted(step=body.step, queued=queued + 1)
-        store.add_step(job_id, accepted, idempotency_key, body.rows)  # kept: a resumed job is fed them again
+        # Kept (a resumed job is fed them again); in a thread: encoding the rows takes a while.
+        await asyncio.to_thread(store.add_step, job_id, accepted, idempotency_key, body.rows)
         return accepted
