@@ -65,15 +65,14 @@ def arithmetic_prompt_ids(tiny_tokenizer):
 
 @pytest.fixture
 def make_backend(tiny_model_dir, tiny_tokenizer):
-    """``make_backend(*overrides)``: the configured training backend on a fresh copy of the tiny model."""
-    import torch
-
+    """``make_backend(*overrides)``: the configured training backend on a fresh copy of the tiny model (on CPU)."""
     from opentinker.config import make_config
+    from opentinker.engine.backend import BackendSpec
     from opentinker.engine.backend import make_backend as build
 
     def make(*overrides: str):
-        cfg = make_config(list(overrides))
-        return build(cfg, str(tiny_model_dir), tiny_tokenizer.pad_token_id, torch.device("cpu"))
+        cfg = make_config(["trainer.device=cpu", *overrides])
+        return build(BackendSpec.from_config(cfg, str(tiny_model_dir), tiny_tokenizer.pad_token_id))
 
     return make
 

@@ -51,7 +51,7 @@ from opentinker.engine.model_loading import (
     pick_device,
     resolve_model_path,
 )
-from opentinker.engine.backend import TrainingBackend, make_backend
+from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.ppo import PPOUpdate
 from opentinker.engine.rollout import (
     AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
@@ -138,7 +138,8 @@ class RLTrainer:
         self.loader = iter(PromptLoader(self.train_prompts, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed))
 
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
-        self.backend: TrainingBackend = make_backend(cfg, self.model_path, self.tokenizer.pad_token_id, self.device)
+        self.backend: TrainingBackend = make_backend(
+            BackendSpec.from_config(cfg, self.model_path, self.tokenizer.pad_token_id))
         self.ppo = PPOUpdate(self.backend, cfg, seed=cfg.trainer.seed)
         self.rollout: RolloutEngine = self._make_rollout_engine()
         self.agent_loops: AgentLoopRunner | None = None

@@ -274,3 +274,18 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 def test_local_backend_is_the_configured_default(make_backend):
     assert isinstance(make_backend(), LocalBackend)
+
+
+def test_a_backend_spec_refuses_what_no_backend_can_build(tiny_model_dir):
+    from opentinker.config import make_config
+    from opentinker.engine.backend import BackendSpec
+
+    for fields, field in (({"strategy": "ddp"}, "strategy"), ({"ranks": 2}, "ranks"),
+                          ({"strategy": "fsdp", "ranks": 0}, "ranks"), ({"device": "tpu"}, "device")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            BackendSpec(str(tiny_model_dir), 0, **fields)
+    # A PPO config's spec: 2 nodes x 2 ranks, LoRA seeded by the trainer's seed, the KL reference on.
+    cfg = make_config(["actor_rollout_ref.actor.strategy=fsdp", "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+                       "actor_rollout_ref.model.lora_rank=4", "trainer.seed=7", "actor_rollout_ref.actor.use_kl_loss=true"])
+    spec = BackendSpec.from_config(cfg, str(tiny_model_dir), 0)
+    assert (spec.strategy, spec.ranks, spec.lora.rank, spec.lora.seed, spec.with_reference) == ("fsdp", 4, 4, 7, True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opentinker.engine.backend import AdamParams, LocalBackend
+from opentinker.engine.backend import AdamParams, BackendSpec, LocalBackend
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import load_causal_lm
 
@@ -18,9 +18,10 @@ pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def fsdp(ray_session, tiny_model_dir, tiny_tokenizer):
-    from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+    from opentinker.engine.backend.fsdp import FSDPBackend
 
-    backend = FSDPBackend(FSDPOptions(str(tiny_model_dir), tiny_tokenizer.pad_token_id, with_reference=True), 2)
+    backend = FSDPBackend(BackendSpec(str(tiny_model_dir), tiny_tokenizer.pad_token_id, strategy="fsdp", ranks=2,
+                                       with_reference=True))
     yield backend
     backend.close()
 
@@ -100,22 +101,23 @@ def test_state_round_trip_and_export(fsdp, batch, tmp_path, tiny_tokenizer):
 
 
 def test_more_ranks_than_the_cluster_has_fail_fast_naming_the_resource(ray_session, tiny_model_dir, tiny_tokenizer):
-    from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+    from opentinker.engine.backend.fsdp import FSDPBackend
 
     with pytest.raises(RuntimeError, match=r"cannot place 64 FSDP ranks of 1 CPU each .* CPU available: \d"):
-        FSDPBackend(FSDPOptions(str(tiny_model_dir), tiny_tokenizer.pad_token_id), 64, placement_timeout_s=2)
+        FSDPBackend(BackendSpec(str(tiny_model_dir), tiny_tokenizer.pad_token_id, strategy="fsdp", ranks=64),
+                    placement_timeout_s=2)
 
 
 def test_lora_on_two_ranks_matches_lora_in_one_process(ray_session, tiny_model_dir, tiny_tokenizer, batch, tmp_path):
     pytest.importorskip("peft")
-    from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
+    from opentinker.engine.backend.fsdp import FSDPBackend
     from opentinker.engine.backend.lora import LoraSettings
 
     lora = LoraSettings(rank=8)
     local = LocalBackend(load_causal_lm(str(tiny_model_dir)), pad_token_id=tiny_tokenizer.pad_token_id,
                          with_reference=True, lora=lora)
-    sharded = FSDPBackend(FSDPOptions(str(tiny_model_dir), tiny_tokenizer.pad_token_id, with_reference=True,
-                                      lora=lora), 2)
+    sharded = FSDPBackend(BackendSpec(str(tiny_model_dir), tiny_tokenizer.pad_token_id, strategy="fsdp", ranks=2,
+                                      with_reference=True, lora=lora))
     try:
         for backend in (local, sharded):
             backend.forward_backward(batch, "cross_entropy")

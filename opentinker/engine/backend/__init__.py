@@ -1,10 +1,8 @@
 """Training primitives behind one protocol (see :mod:`.base`): ``LocalBackend`` (one process)
-and ``FSDPBackend`` (N FSDP2 ranks as Ray actors), chosen by ``actor_rollout_ref.actor.strategy``."""
+and ``FSDPBackend`` (N FSDP2 ranks as Ray actors), built by :func:`make_backend` from a
+:class:`~.spec.BackendSpec`."""
 
 from __future__ import annotations
-
-import torch
-from omegaconf import DictConfig
 
 from opentinker.engine.backend.base import (
     DEFAULT_BUCKET_BYTES,
@@ -17,10 +15,12 @@ from opentinker.engine.backend.base import (
 )
 from opentinker.engine.backend.local import LocalBackend
 from opentinker.engine.backend.losses import loss_names, register_loss, resolve_loss
+from opentinker.engine.backend.spec import BackendSpec
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "AdamParams",
+    "BackendSpec",
     "ForwardBackwardOutput",
     "ForwardOutput",
     "LocalBackend",
@@ -34,39 +34,16 @@ __all__ = [
 ]
 
 
-def make_backend(cfg: DictConfig, model_path: str, pad_token_id: int, device: torch.device) -> TrainingBackend:
-    """The backend ``actor_rollout_ref.actor.strategy`` names, for the model at ``model_path``:
-    ``local`` loads it here; ``fsdp`` starts ``trainer.nnodes x trainer.n_gpus_per_node`` ranks
-    that load it themselves (this process never holds it)."""
-    from opentinker.engine.backend.lora import LoraSettings
+def make_backend(spec: BackendSpec) -> TrainingBackend:
+    """The backend ``spec`` names: ``local`` loads the model here; ``fsdp`` starts
+    ``spec.ranks`` ranks that load it themselves (this process never holds it)."""
+    if spec.strategy == "fsdp":
+        from opentinker.engine.backend.fsdp import FSDPBackend
 
-    ar = cfg.actor_rollout_ref
-    lora = LoraSettings(int(ar.model.lora_rank), float(ar.model.lora_alpha), str(ar.model.target_modules),
-                        seed=int(cfg.trainer.seed)) if ar.model.lora_rank > 0 else None
-    common = dict(
-        pad_token_id=pad_token_id,
-        with_reference=bool(ar.actor.use_kl_loss),
-        use_remove_padding=bool(ar.model.use_remove_padding),
-        share_prompt_prefix=bool(ar.model.share_prompt_prefix),
-        lora=lora,
-    )
-    if ar.actor.strategy == "local":
-        from opentinker.engine.model_loading import load_causal_lm
+        return FSDPBackend(spec)
+    from opentinker.engine.model_loading import load_causal_lm, pick_device
 
-        model = load_causal_lm(model_path, device=device, trust_remote_code=ar.model.trust_remote_code)
-        return LocalBackend(model, gradient_checkpointing=bool(ar.model.enable_gradient_checkpointing), **common)
-    if ar.actor.strategy == "fsdp":
-        from opentinker.engine.backend.fsdp import FSDPBackend, FSDPOptions
-
-        fsdp = ar.actor.fsdp_config
-        options = FSDPOptions(
-            model_path=model_path,
-            device=cfg.trainer.device,  # the ranks' own devices, whatever this process has
-            trust_remote_code=bool(ar.model.trust_remote_code),
-            gradient_checkpointing=bool(ar.model.enable_gradient_checkpointing),
-            param_offload=bool(fsdp.param_offload),
-            optimizer_offload=bool(fsdp.optimizer_offload),
-            **common,
-        )
-        return FSDPBackend(options, world_size=int(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node))
-    raise ValueError(f"actor_rollout_ref.actor.strategy: unknown strategy {ar.actor.strategy!r} (local | fsdp)")
+    model = load_causal_lm(spec.model_path, device=pick_device(spec.device), trust_remote_code=spec.trust_remote_code)
+    return LocalBackend(model, pad_token_id=spec.pad_token_id, with_reference=spec.with_reference,
+                        use_remove_padding=spec.use_remove_padding, share_prompt_prefix=spec.share_prompt_prefix,
+                        gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora)

@@ -1,7 +1,7 @@
 """``FSDPBackend``: the training primitives on N ranks, each a Ray actor holding an FSDP2 shard.
 
-The ranks sit in a placement group (``trainer.nnodes`` x ``trainer.n_gpus_per_node`` bundles:
-one GPU each, or one CPU each with ``trainer.device=cpu``) and form a process group (nccl on
+The ranks sit in a placement group (``BackendSpec.ranks`` bundles, for a PPO job
+``trainer.nnodes`` x ``trainer.n_gpus_per_node``: one GPU each, or one CPU each on CPU) and form a process group (nccl on
 GPU, gloo on CPU). Each rank builds its own model: rank 0 loads the checkpoint, the others
 build on the meta device; every decoder layer and then the root are wrapped with
 ``fully_shard``; the weights reach the other ranks from rank 0 (``set_model_state_dict``
@@ -21,7 +21,6 @@ import math
 import os
 import socket
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,27 +36,13 @@ from opentinker.engine.backend.base import (
     clip_gradients,
 )
 from opentinker.engine.backend.forward import ResponseScorer, pad_to
-from opentinker.engine.backend.lora import LoraSettings, MergeEntry, add_adapters, merge_plan, merged_tensor
+from opentinker.engine.backend.lora import MergeEntry, add_adapters, merge_plan, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
+from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing
 
 PLACEMENT_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class FSDPOptions:
-    model_path: str
-    pad_token_id: int
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl) | auto (cuda when the Ray cluster has GPUs)
-    trust_remote_code: bool = False
-    with_reference: bool = False
-    use_remove_padding: bool = False
-    share_prompt_prefix: bool = True
-    gradient_checkpointing: bool = False
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    lora: LoraSettings | None = None
 
 
 def _rendezvous_address() -> tuple[str, int]:
@@ -73,7 +58,7 @@ def _rendezvous_address() -> tuple[str, int]:
 class FSDPRank:
     """One rank: its shard of the actor (and reference), its optimizer, its rows of each batch."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, options: FSDPOptions):
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, options: BackendSpec):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -304,15 +289,14 @@ def shard_rows(batch: TokenBatch, world_size: int) -> list[tuple[TokenBatch, int
 
 
 class FSDPBackend:
-    """The driver side: a placement group of ``world_size`` FSDPRank actors."""
+    """The driver side: a placement group of ``options.ranks`` FSDPRank actors."""
 
-    def __init__(self, options: FSDPOptions, world_size: int, *, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
+    def __init__(self, options: BackendSpec, *, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if world_size < 1:
-            raise ValueError(f"an FSDP backend needs at least one rank, got {world_size}")
+        world_size = options.ranks  # at least 1: BackendSpec checks it
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         self.world_size = world_size

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend import AdamParams, make_backend
+from opentinker.engine.backend import AdamParams, BackendSpec, make_backend
+from opentinker.engine.backend.lora import LoraSettings
 from opentinker.engine.backend.losses import resolve_loss, weighted_loss
 from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
 
@@ -48,27 +49,20 @@ class ModelSpec:
             raise ValueError("lora_config: train_attn and train_mlp are both false, so there is nothing to train")
         return ",".join(modules)
 
-    def config(self):
-        from opentinker.config import make_config
-
-        return make_config({
-            "actor_rollout_ref.model.lora_rank": self.lora_rank,
-            "actor_rollout_ref.model.lora_alpha": self.lora_alpha,
-            "actor_rollout_ref.model.target_modules": self.target_modules() if self.lora_rank else "all-linear",
-            "actor_rollout_ref.model.trust_remote_code": self.trust_remote_code,
-            "actor_rollout_ref.actor.strategy": self.strategy,
-            "actor_rollout_ref.actor.use_kl_loss": False,  # Tinker losses have no reference term
-            "trainer.device": self.device,
-            "trainer.n_gpus_per_node": self.ranks,
-            "trainer.seed": self.seed,
-        })
+    def backend_spec(self, model_folder: str, pad_token_id: int) -> BackendSpec:
+        """The training backend this model needs (Tinker's losses have no reference term)."""
+        lora = LoraSettings(self.lora_rank, float(self.lora_alpha), self.target_modules(),
+                            seed=self.seed) if self.lora_rank else None
+        return BackendSpec(model_path=model_folder, pad_token_id=pad_token_id, lora=lora, strategy=self.strategy,
+                           ranks=self.ranks if self.strategy == "fsdp" else 1, device=self.device,
+                           trust_remote_code=self.trust_remote_code)
 
 
 class TinkerModelWorker:
     def __init__(self, spec: ModelSpec):
         from transformers import AutoConfig
 
-        from opentinker.engine.model_loading import load_tokenizer, pick_device, resolve_model_path
+        from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
 
         torch.manual_seed(spec.seed)
         self.spec = spec
@@ -79,7 +73,7 @@ class TinkerModelWorker:
         # The API refuses longer datums at submit; checked here again in case it could not tell.
         positions = getattr(config, "max_position_embeddings", None)
         self.context = int(positions) if positions else None
-        self.backend = make_backend(spec.config(), path, tokenizer.pad_token_id, pick_device(spec.device))
+        self.backend = make_backend(spec.backend_spec(path, tokenizer.pad_token_id))
 
     def ready(self) -> dict[str, Any]:
         return {"step": self.backend.step}
