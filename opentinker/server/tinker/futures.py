@@ -62,13 +62,18 @@ class FutureTable:
         existing = self.existing(model_id, seq_id)
         if existing is not None:
             return existing, False
+        return self.add(user_id, kind, model_id, seq_id, extra, request_id), True
+
+    def add(self, user_id: int, kind: str, model_id: str | None = None, seq_id: int | None = None,
+            extra: dict[str, Any] | None = None, request_id: str | None = None) -> FutureRow:
+        """A new pending future; the caller knows ``(model_id, seq_id)`` has none yet (:meth:`existing`)."""
         request_id = request_id or uuid.uuid4().hex
         with self.store.transaction() as conn:
             conn.execute("INSERT INTO tinker_futures (request_id, user_id, model_id, seq_id, kind, state, extra_json, "
                          "created_at) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
                          (request_id, user_id, model_id, seq_id, kind, json.dumps(extra or {}), time.time()))
         self._events[request_id] = asyncio.Event()
-        return self.get(request_id), True
+        return self.get(request_id)
 
     def get(self, request_id: str, user_id: int | None = None) -> FutureRow | None:
         sql = "SELECT * FROM tinker_futures WHERE request_id = ?" + ("" if user_id is None else " AND user_id = ?")

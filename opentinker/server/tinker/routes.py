@@ -141,9 +141,8 @@ def _submit(svc: TinkerService, user: User, model_id: str, seq_id: int | None, k
             raise ApiError(429, f"your models have {limits.max_queued_per_user} requests waiting or running, the "
                                 "most this server queues per user; retry when some are done",
                            headers={"Retry-After": "1"})
-    row, new = svc.futures.create(user.id, kind, model_id, seq_id)
-    if new:
-        svc.host.submit(model_id, seq_id, row.request_id, run)
+    row = svc.futures.add(user.id, kind, model_id, seq_id)  # none yet: checked above, with no await between
+    svc.host.submit(model_id, seq_id, row.request_id, run)
     svc.state.touch_model(model_id)
     return row.submit_answer()
 
@@ -270,7 +269,7 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
     except ServerFull as error:
         raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
     svc.state.add_model(model_id, session_id, user.id, served.name, spec, metadata)
-    row, _ = svc.futures.create(user.id, kind, model_id, 0)
+    row = svc.futures.add(user.id, kind, model_id, 0)  # a new model: no future yet
     answer = {"model_id": model_id} if load_path is None else {"model_id": model_id, "path": load_path}
     svc.host.start_model(model_id, user.id, worker_spec, row.request_id, answer, load, memory)
     return row.submit_answer()
@@ -602,7 +601,7 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
         raise _user_error(str(error)) from None
     request_id = uuid.uuid4().hex
     ids = [f"{request_id}:{index}" for index in range(body.num_samples)]
-    row, _ = svc.futures.create(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id)
+    row = svc.futures.add(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id)
     call = {"snapshot": snapshot, "prompt": prompt, "params": params, "user": user.id,
             "num_samples": body.num_samples, "prompt_logprobs": bool(body.prompt_logprobs),
             "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n}
