@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--tinker-max-models", type=int, default=8,
                         help="live training clients on the server, whoever's; past it create_model answers 429 "
                              "(default: %(default)s)")
+    tinker.add_argument("--tinker-max-resident-adapters", type=int, default=None, metavar="N",
+                        help="LoRA models kept in memory per base model's shared worker; the least recently used "
+                             "others wait on disk and come back, unchanged, on their next request (default: all)")
     tinker.add_argument("--tinker-max-models-per-user", type=int, default=4,
                         help="live training clients per user (default: %(default)s)")
     tinker.add_argument("--tinker-memory-gb", type=float, default=None, metavar="GB",
@@ -285,6 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_session_timeout_s=args.tinker_session_timeout,
             tinker_max_pending_sample_tokens=args.tinker_max_pending_sample_tokens,
             tinker_sampler_max_rows=args.tinker_sampler_max_rows,
+            tinker_max_resident_adapters=args.tinker_max_resident_adapters,
             tinker_sampler_max_tokens=args.tinker_sampler_max_tokens,
             dashboard_session_s=args.dashboard_session_hours * 3600,
             serve_device=args.serve_device,

@@ -67,6 +67,9 @@ class ServerSettings:
     tinker_ranks: int = 1  # FSDP ranks per model (tinker_strategy=fsdp)
     tinker_max_models_per_user: int = 4  # live training clients per user
     tinker_max_models: int = 8  # live training clients on the server, whoever's (429 past it)
+    # LoRA adapters each shared base worker keeps in memory; the least recently used others wait
+    # on disk (under data_dir/tinker/offload) and come back on their next request. None: all.
+    tinker_max_resident_adapters: int | None = None
     # Admission by estimated model memory (weight files x 1.25 for LoRA, x 4 for full fine-tuning);
     # None: half of this machine's RAM.
     tinker_memory_gb: float | None = None
@@ -104,6 +107,9 @@ class ServerSettings:
             raise ValueError(f"serve_device must be 'cpu' or 'cuda', got {self.serve_device!r}")
         if self.tinker_strategy not in ("local", "fsdp"):
             raise ValueError(f"tinker_strategy must be 'local' or 'fsdp', got {self.tinker_strategy!r}")
+        if self.tinker_max_resident_adapters is not None and self.tinker_max_resident_adapters < 1:
+            raise ValueError(f"tinker_max_resident_adapters must be >= 1 (or None: no limit), got "
+                             f"{self.tinker_max_resident_adapters}")
         if self.tinker_memory_gb is not None and not self.tinker_memory_gb > 0:
             raise ValueError(f"tinker_memory_gb must be > 0, got {self.tinker_memory_gb}")
         if not 0 < self.tinker_long_poll_s < 45:
@@ -162,5 +168,7 @@ class ServerSettings:
             max_queued_per_user=self.tinker_max_queued_requests_per_user,
             max_pending_sample_tokens=self.tinker_max_pending_sample_tokens,
             host=HostSettings(strategy=self.tinker_strategy, ranks=self.tinker_ranks,
+                              max_resident_adapters=self.tinker_max_resident_adapters,
+                              offload_dir=str(self.data_dir / "tinker" / "offload"),
                               sampler_limits=self.sampler_limits()),
         )

@@ -345,9 +345,16 @@ def test_seq_ids_far_ahead_or_behind_are_refused_and_queues_are_capped(server, k
 def test_the_server_admits_models_up_to_its_cap_and_memory_budget_whoever_asks(start_server, tmp_path, helpers):
     from opentinker.engine.tiny import tiny_model_dir
 
+    from opentinker.server.policy import ServedModel
+    from opentinker.server.tinker.model_facts import estimated_adapter_bytes, read_model_facts
+
     weights = (tiny_model_dir() / "model.safetensors").stat().st_size
-    # Room for two LoRA models (1.25 x the weights each), not three, and never a full one (4 x).
-    live = start_server(tmp_path, tinker_max_models=3, tinker_memory_gb=3.0 * weights / 2**30)
+    adapter = estimated_adapter_bytes(read_model_facts(ServedModel(TINY, None)), 4)
+    assert 0 < adapter < weights / 4
+    # LoRA models share one copy of the base (1.25 x the weights, held once) and each adds its
+    # adapter and optimizer state: room for the base and two rank-4 adapters, not three, and
+    # never a fully fine-tuned model (4 x the weights).
+    live = start_server(tmp_path, tinker_max_models=3, tinker_memory_gb=(1.25 * weights + 2.5 * adapter) / 2**30)
     carol_key, dave_key = helpers.make_user(tmp_path, "carol"), helpers.make_user(tmp_path, "dave")
     svc = live.app.state.tinker
     with _raw(live.url, carol_key) as carol, _raw(live.url, dave_key) as dave, peak_rss_growth() as growth:

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend import AdamParams, BackendSpec, make_backend
+from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.backend.lora import LoraSettings
 from opentinker.engine.backend.losses import resolve_loss, weighted_loss
+from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
 
 SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
@@ -49,10 +50,14 @@ class ModelSpec:
             raise ValueError("lora_config: train_attn and train_mlp are both false, so there is nothing to train")
         return ",".join(modules)
 
+    def lora_settings(self) -> LoraSettings | None:
+        if not self.lora_rank:
+            return None
+        return LoraSettings(self.lora_rank, float(self.lora_alpha), self.target_modules(), seed=self.seed)
+
     def backend_spec(self, model_folder: str, pad_token_id: int) -> BackendSpec:
         """The training backend this model needs (Tinker's losses have no reference term)."""
-        lora = LoraSettings(self.lora_rank, float(self.lora_alpha), self.target_modules(),
-                            seed=self.seed) if self.lora_rank else None
+        lora = self.lora_settings()
         return BackendSpec(model_path=model_folder, pad_token_id=pad_token_id, lora=lora, strategy=self.strategy,
                            ranks=self.ranks if self.strategy == "fsdp" else 1, device=self.device,
                            trust_remote_code=self.trust_remote_code)
@@ -96,13 +101,7 @@ class TinkerModelWorker:
         return {"outputs": per_datum(batch, logprobs=logprobs, elementwise_loss=elementwise), "metrics": metrics}
 
     def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
-        clip = float(adam.get("grad_clip_norm") or 0.0)
-        params = AdamParams(lr=float(adam["learning_rate"]), betas=(float(adam["beta1"]), float(adam["beta2"])),
-                            eps=float(adam["eps"]), weight_decay=float(adam["weight_decay"]),
-                            grad_clip=clip if clip > 0 else None)
-        metrics = self.backend.optim_step(params)
-        return {"grad_norm:mean": metrics["grad_norm"], "learning_rate:mean": metrics["lr"],
-                "skipped_nonfinite:sum": metrics["skipped_nonfinite"]}
+        return tinker_step_metrics(self.backend.optim_step(adam_params(adam)))
 
     def save_state(self, path: str) -> None:
         """Weights (with LoRA: the adapters) and optimizer state: a ``save_state`` checkpoint."""

@@ -1,7 +1,8 @@
 """Sampling for the Tinker API: one :class:`TinkerSampler` Ray actor per served base model.
 
-A request names the weights to sample from: the base model, or a sampler snapshot (a file of
-full weights that a training client saved with ``save_weights_for_sampler``). Each request's
+A request names the weights to sample from: the base model, or a sampler snapshot that a
+training client saved with ``save_weights_for_sampler``: a LoRA model's adapter alone (merged
+into the base weights when its turn comes) or a fully fine-tuned model's full weights. Each request's
 samples are rows of continuously batched decode loops (:mod:`.sample_scheduler`): they join a
 running batch at the next step, users are served in turn by the time their decoding took, and
 weights are swapped between steps when another snapshot's user is due (the rows of the one
@@ -21,6 +22,8 @@ import torch
 
 from opentinker.engine.rollout.base import SamplingParams
 from opentinker.engine.tinker import default_max_tokens
+from opentinker.engine.backend.lora import merged_with_adapter
+from opentinker.engine.tinker.adapter_worker import ADAPTER_CONFIG_FILE
 from opentinker.engine.tinker.model_worker import SAMPLER_WEIGHTS_FILE
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
 
@@ -103,6 +106,8 @@ class TinkerSampler:
             return
         if snapshot == BASE:
             self.engine.update_weights(self._base)
+        elif (Path(snapshot) / ADAPTER_CONFIG_FILE).is_file():  # a LoRA model's: the adapter alone
+            self.engine.update_weights(merged_with_adapter(self._base, snapshot))
         else:
             self.engine.update_weights(torch.load(Path(snapshot) / SAMPLER_WEIGHTS_FILE, map_location="cpu",
                                                    weights_only=True, mmap=True))

@@ -1,5 +1,11 @@
-"""The Ray side of the Tinker API: one model worker actor per training client, run strictly in
-its ``seq_id`` order, and one sampler actor per base model.
+"""The Ray side of the Tinker API: every model's requests in its ``seq_id`` order, run by the
+worker that holds the model, and one sampler actor per base model.
+
+LoRA models (on the ``local`` strategy) of the same served base model share one
+:class:`~opentinker.engine.tinker.adapter_worker.AdapterWorker` actor (:class:`SharedBase`):
+the base weights once, each model an adapter. Fully fine-tuned models, and LoRA models on the
+``fsdp`` strategy, have a worker of their own (:class:`OwnWorker`). Either way a model is
+driven through the same handle methods, so the routes do not know which.
 
 The SDK sends a training client's requests one after another, but a ``forward_backward``
 split into chunks arrives concurrently, first chunk last. Each model therefore keeps a heap of
@@ -17,6 +23,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,7 +35,8 @@ from opentinker.server.tinker.state import TinkerState
 
 log = logging.getLogger("opentinker.server.tinker")
 
-#: An operation on a model's actor: returns (payload, content type) for the future.
+#: An operation on a model (its handle: :class:`OwnWorker` or :class:`SharedAdapter`):
+#: returns (payload, content type) for the future.
 Operation = Callable[[Any], Awaitable[tuple[Any, str]]]
 
 
@@ -51,6 +59,155 @@ def failure(error: BaseException) -> tuple[str, str]:
 
 async def await_ref(ref: Any) -> Any:
     return await asyncio.wrap_future(ref.future())
+
+
+#: Of a GPU, what each Tinker actor asks Ray for: the GPU is shared (the sampler, the shared
+#: base workers, models of their own); how many models fit is the memory admission's call.
+GPU_SHARE = 0.1
+
+
+def _gpus() -> float:
+    return GPU_SHARE if ray.cluster_resources().get("GPU", 0) > 0 else 0
+
+
+class OwnWorker:
+    """A model with a worker actor of its own (:class:`TinkerModelWorker`)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
+        return await await_ref(self.actor.forward_backward.remote(data, loss_fn, loss_config, forward_only))
+
+    async def optim_step(self, adam) -> dict[str, float]:
+        return await await_ref(self.actor.optim_step.remote(adam))
+
+    async def save_state(self, path: str) -> None:
+        await await_ref(self.actor.save_state.remote(path))
+
+    async def load_state(self, path: str, with_optimizer: bool) -> None:
+        await await_ref(self.actor.load_state.remote(path, with_optimizer))
+
+    async def save_sampler_weights(self, path: str) -> int:
+        return await await_ref(self.actor.save_sampler_weights.remote(path))
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+
+class SharedAdapter:
+    """A LoRA model living as an adapter in its base model's :class:`SharedBase`."""
+
+    def __init__(self, base: "SharedBase", model_id: str):
+        self.base = base
+        self.model_id = model_id
+
+    async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
+        from opentinker.engine.tinker.adapter_worker import ForwardBackwardCall
+
+        return await self.base.forward_backward(
+            ForwardBackwardCall(self.model_id, data, loss_fn, dict(loss_config), forward_only))
+
+    async def optim_step(self, adam) -> dict[str, float]:
+        return await self.base.op("optim_step", self.model_id, adam)
+
+    async def save_state(self, path: str) -> None:
+        await self.base.op("save_state", self.model_id, path)
+
+    async def load_state(self, path: str, with_optimizer: bool) -> None:
+        await self.base.op("load_state", self.model_id, path, with_optimizer)
+
+    async def save_sampler_weights(self, path: str) -> int:
+        return await self.base.op("save_sampler_weights", self.model_id, path)
+
+    async def close(self) -> None:
+        await self.base.remove(self.model_id)
+
+
+class SharedBase:
+    """One :class:`AdapterWorker` actor (a base model and its LoRA models) and the loop that
+    feeds it cycles: each cycle takes every request waiting, at most one per model (a model's
+    next request is only sent once its previous one is done), so every busy model is served
+    once per cycle, whoever else is busy; the cycle's forward/backward requests run as one
+    batched pass in the worker."""
+
+    def __init__(self, key: tuple[str | None, bool], memory_bytes: int = 0):
+        self.key = key
+        self.memory_bytes = memory_bytes  # the base's admission estimate, held while it lives
+        self.actor: Any = None
+        self.models: set[str] = set()
+        self._calls: list[tuple[Any, asyncio.Future]] = []
+        self._ops: list[tuple[tuple[str, str, tuple], asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.started: asyncio.Future | None = None
+        self.cycles = 0
+
+    async def start(self, model_path: str | None, trust_remote_code: bool, settings: "HostSettings") -> None:
+        from opentinker.engine.tinker.adapter_worker import AdapterWorker
+
+        offload = None if settings.offload_dir is None else str(
+            Path(settings.offload_dir) / f"base-{abs(hash(self.key)) % 10**8}-{id(self)}")
+        self.actor = ray.remote(AdapterWorker).options(num_cpus=0, num_gpus=_gpus(), max_concurrency=1).remote(
+            model_path, trust_remote_code, settings.device, settings.max_resident_adapters, offload)
+        await await_ref(self.actor.ready.remote())
+        self._loop_task = asyncio.create_task(self._serve())
+
+    async def forward_backward(self, call: Any) -> dict[str, Any]:
+        return await self._enqueue(self._calls, call)
+
+    async def op(self, method: str, model_id: str, *args: Any) -> Any:
+        return await self._enqueue(self._ops, (method, model_id, args))
+
+    async def remove(self, model_id: str) -> None:
+        self.models.discard(model_id)
+        if self._loop_task is None:  # the worker never came up: the model was never added
+            return
+        with contextlib.suppress(Exception):
+            await self.op("remove_model", model_id)
+
+    def _enqueue(self, queue: list, item: Any) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        queue.append((item, future))
+        self._wake.set()
+        return future
+
+    async def _serve(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._calls or self._ops:
+                calls, self._calls = self._calls, []
+                ops, self._ops = self._ops, []
+                waiting = [future for _, future in calls + ops]
+                try:
+                    fb, done = await await_ref(self.actor.cycle.remote([c for c, _ in calls], [o for o, _ in ops]))
+                except Exception as error:  # the worker died (or a Ray failure): every request of the cycle
+                    for future in waiting:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                self.cycles += 1
+                for future, outcome in zip(waiting, list(fb) + list(done)):
+                    if future.done():  # its model was unloaded meanwhile
+                        continue
+                    if "result" in outcome:
+                        future.set_result(outcome["result"])
+                    elif outcome["category"] == "user":
+                        future.set_exception(UserError(outcome["error"]))
+                    else:
+                        future.set_exception(RuntimeError(outcome["error"]))
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for _, future in self._calls + self._ops:
+            if not future.done():
+                future.set_exception(RuntimeError("the base model's worker stopped"))
+        if self.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
 
 
 @dataclass(order=True)
@@ -145,6 +302,8 @@ class HostSettings:
     strategy: str = "local"  # the backend of every model: local | fsdp
     device: str = "auto"
     ranks: int = 1  # FSDP ranks per model
+    max_resident_adapters: int | None = None  # per shared base worker; the rest wait on disk
+    offload_dir: str | None = None  # where (None: a temporary folder)
     # The sampler's batch caps (engine/tinker/sample_scheduler.SchedulerLimits fields); what may
     # wait for it is bounded per user by the API (TinkerSettings.max_pending_*).
     sampler_limits: dict[str, float] = field(default_factory=dict)
@@ -156,6 +315,8 @@ class TinkerHost:
         self.futures = futures
         self.settings = settings
         self._models: dict[str, ModelSlot] = {}
+        self._bases: dict[tuple[str | None, bool], SharedBase] = {}
+        self._base_memory: dict[tuple[str | None, bool], int] = {}  # admitted, worker not made yet
         self._samplers: dict[str, asyncio.Future] = {}
 
     # -- models ------------------------------------------------------------------------
@@ -169,14 +330,70 @@ class TinkerHost:
         slot.task = asyncio.create_task(self._serve(slot, worker_spec, request_id, answer, load))
 
     async def _start(self, slot: ModelSlot, worker_spec: Any, load: tuple[str, bool] | None) -> None:
-        from opentinker.engine.tinker.model_worker import TinkerModelWorker
+        if self.shares_base(worker_spec):
+            base = self._shared_base(worker_spec)
+            base.models.add(slot.model_id)  # from now on the worker stays up for it
+            try:
+                await asyncio.shield(base.started)
+                await base.op("add_model", slot.model_id, worker_spec.lora_settings())
+            except BaseException:  # it failed, or the model was unloaded while it came up
+                await self._release(base, slot.model_id)
+                raise
+            slot.actor = SharedAdapter(base, slot.model_id)
+        else:
+            from opentinker.engine.tinker.model_worker import TinkerModelWorker
 
-        gpus = 1 if self.settings.strategy == "local" and ray.cluster_resources().get("GPU", 0) > 0 else 0
-        slot.actor = ray.remote(TinkerModelWorker).options(num_cpus=0, num_gpus=gpus, max_concurrency=1).remote(
-            worker_spec)
-        await await_ref(slot.actor.ready.remote())
+            gpus = _gpus() if self.settings.strategy == "local" else 0
+            slot.actor = OwnWorker(ray.remote(TinkerModelWorker).options(
+                num_cpus=0, num_gpus=gpus, max_concurrency=1).remote(worker_spec))
+            await await_ref(slot.actor.actor.ready.remote())
         if load is not None:
-            await await_ref(slot.actor.load_state.remote(*load))
+            await slot.actor.load_state(*load)
+
+    def shares_base(self, worker_spec: Any) -> bool:
+        """LoRA models on the local strategy live in their base model's shared worker."""
+        return worker_spec.lora_rank > 0 and self.settings.strategy == "local"
+
+    @staticmethod
+    def _base_key(worker_spec: Any) -> tuple[str | None, bool]:
+        return worker_spec.model_path, worker_spec.trust_remote_code
+
+    def shared_base_started(self, worker_spec: Any) -> bool:
+        """Whether the base's weights are held (or admitted) already."""
+        key = self._base_key(worker_spec)
+        return key in self._bases or key in self._base_memory
+
+    def _shared_base(self, worker_spec: Any) -> SharedBase:
+        """The shared worker of the model's base (started by the first LoRA model of it; the
+        last model to leave stops it)."""
+        key = self._base_key(worker_spec)
+        base = self._bases.get(key)
+        if base is None:
+            base = self._bases[key] = SharedBase(key, self._base_memory.pop(key, 0))
+            base.started = asyncio.ensure_future(base.start(worker_spec.model_path, worker_spec.trust_remote_code,
+                                                            self.settings))
+            base.started.add_done_callback(lambda done: done.cancelled() or done.exception())  # awaited by models
+        return base
+
+    def reserve_base_memory(self, worker_spec: Any, memory_bytes: int) -> None:
+        """The admission estimate of the base weights a new shared worker will hold."""
+        key = self._base_key(worker_spec)
+        if key not in self._bases:
+            self._base_memory[key] = memory_bytes
+
+    def shared_bases(self) -> list[SharedBase]:
+        return list(self._bases.values())
+
+    def base_memory_bytes(self) -> int:
+        """What the shared workers' base weights hold of the admission budget (started or starting)."""
+        return sum(base.memory_bytes for base in self._bases.values()) + sum(self._base_memory.values())
+
+    async def _release(self, base: SharedBase, model_id: str) -> None:
+        """``model_id`` leaves ``base``; the last model to leave stops the worker."""
+        await base.remove(model_id)
+        if not base.models and self._bases.get(base.key) is base:
+            self._bases.pop(base.key, None)
+            await base.stop()
 
     async def _serve(self, slot: ModelSlot, worker_spec: Any, request_id: str, answer: dict[str, Any],
                      load: tuple[str, bool] | None) -> None:
@@ -188,7 +405,7 @@ class TinkerHost:
             self.futures.fail(request_id, message, category)
             slot.ready.set_exception(UserError(message))
             self._fail_queue(slot, message)
-            self._kill(slot)
+            await self._close(slot)
             self._models.pop(slot.model_id, None)  # it holds no admission any more
             return
         self.state.set_model_state(slot.model_id, "ready")
@@ -248,14 +465,15 @@ class TinkerHost:
             with contextlib.suppress(BaseException):
                 await slot.task
         self._fail_queue(slot, reason)
-        self._kill(slot)
+        await self._close(slot)
         self.state.set_model_state(model_id, "unloaded", reason)
 
-    @staticmethod
-    def _kill(slot: ModelSlot) -> None:
-        if slot.actor is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(slot.actor, no_restart=True)
+    async def _close(self, slot: ModelSlot) -> None:
+        """The model's worker stops, or its adapter leaves the shared one."""
+        if isinstance(slot.actor, SharedAdapter):
+            await self._release(slot.actor.base, slot.model_id)
+        elif slot.actor is not None:
+            await slot.actor.close()
 
     # -- samplers ----------------------------------------------------------------------
     async def sampler(self, base_model: str, model_path: str, trust_remote_code: bool) -> Any:
@@ -278,7 +496,7 @@ class TinkerHost:
     async def _start_sampler(self, model_path: str, trust_remote_code: bool) -> Any:
         from opentinker.engine.tinker.sampler_worker import TinkerSampler
 
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        gpus = _gpus()
         # An async actor: every waiting call is a coroutine, its rows wait in the scheduler (not in
         # Ray's queue), so no thread count caps how many users are served fairly.
         actor = ray.remote(TinkerSampler).options(num_cpus=0, num_gpus=gpus, max_concurrency=100_000).remote(
@@ -296,6 +514,9 @@ class TinkerHost:
             else:
                 pending.cancel()
         self._samplers.clear()
+        for base in list(self._bases.values()):
+            await base.stop()
+        self._bases.clear()
 
 
 def json_result(payload: Any) -> tuple[Any, str]:

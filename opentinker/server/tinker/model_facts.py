@@ -24,6 +24,8 @@ log = logging.getLogger("opentinker.server.tinker")
 #: Adam's two moments. Estimates: activations and allocator overhead come on top.
 LORA_FACTOR = 1.25
 FULL_FACTOR = 4.0
+#: Bytes per LoRA parameter while training: fp32 weight, gradient and Adam's two moments.
+ADAPTER_PARAM_BYTES = 16
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -31,6 +33,9 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 class ModelFacts:
     context: int | None  # max_position_embeddings (tokens), None: unknown
     weight_bytes: int | None  # size of the weight files, None: unknown
+    # LoRA parameters per unit of rank with every linear layer of every block adapted (an
+    # upper bound for fewer targets), None: unknown
+    lora_params_per_rank: int | None = None
 
 
 def _folder(model: ServedModel) -> Path | None:
@@ -56,6 +61,22 @@ def _context(config: dict) -> int | None:
             if isinstance(value, int) and value > 0:
                 return value
     return None
+
+
+def _lora_params_per_rank(config: dict) -> int | None:
+    """sum(d_in + d_out) over a Llama/Qwen-style block's q, k, v, o, gate, up, down, times the
+    number of blocks."""
+    config = config.get("text_config") or config
+    try:
+        hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        inner = int(config.get("intermediate_size") or 4 * hidden)
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        kv = int(config.get("num_key_value_heads") or heads) * head_dim
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    attention = 2 * (hidden + heads * head_dim) + 2 * (hidden + kv)
+    return layers * (attention + 3 * (hidden + inner))
 
 
 def _weight_bytes(folder: Path) -> int | None:
@@ -88,7 +109,9 @@ def read_model_facts(model: ServedModel) -> ModelFacts:
         return ModelFacts(None, None)
     try:
         config = json.loads((folder / "config.json").read_text())
-        return ModelFacts(_context(config) if isinstance(config, dict) else None, _weight_bytes(folder))
+        if not isinstance(config, dict):
+            return ModelFacts(None, _weight_bytes(folder))
+        return ModelFacts(_context(config), _weight_bytes(folder), _lora_params_per_rank(config))
     except (OSError, ValueError) as error:
         log.warning("tinker: cannot read the facts of model %s from %s: %s", model.name, folder, error)
         return ModelFacts(None, None)
@@ -99,3 +122,11 @@ def estimated_model_bytes(facts: ModelFacts, lora: bool) -> int | None:
     if facts.weight_bytes is None:
         return None
     return int(facts.weight_bytes * (LORA_FACTOR if lora else FULL_FACTOR))
+
+
+def estimated_adapter_bytes(facts: ModelFacts, rank: int) -> int | None:
+    """The admission estimate of one LoRA model beside others on a shared base: its adapter
+    and optimizer state (the base is counted once, by the worker that holds it)."""
+    if facts.lora_params_per_rank is None:
+        return None
+    return facts.lora_params_per_rank * rank * ADAPTER_PARAM_BYTES

@@ -265,7 +265,7 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
     except ValueError as error:
         raise _user_error(str(error)) from None
     try:  # server-wide: the live models and their estimated memory, whoever's
-        memory = svc.admit_model(served, lora=bool(spec.get("lora_rank")))
+        memory = svc.admit_model(served, worker_spec)
     except ServerFull as error:
         raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
     svc.state.add_model(model_id, session_id, user.id, served.name, spec, metadata)
@@ -361,8 +361,8 @@ async def forward_backward(request: Request, user: User = Depends(tinker_user),
         raise _user_error(str(error)) from None
     data = [(datum.tokens, datum.inputs) for datum in call.data]
 
-    async def run(actor):
-        out = await await_ref(actor.forward_backward.remote(data, call.loss_fn, call.loss_config, call.forward_only))
+    async def run(handle):
+        out = await handle.forward_backward(data, call.loss_fn, call.loss_config, call.forward_only)
         return wire.encode_forward_backward_output(out["outputs"], out["metrics"]), PROTOBUF
 
     return _submit(svc, user, call.model_id, call.seq_id, "Forward" if call.forward_only else "ForwardBackward", run)
@@ -378,8 +378,8 @@ async def optim_step(body: schemas.OptimStep, user: User = Depends(tinker_user),
         raise _user_error(f"optim_step: only Adam is supported (adam_params); got optimizer {kind!r}")
     adam = body.adam_params.model_dump()
 
-    async def run(actor):
-        return {"metrics": await await_ref(actor.optim_step.remote(adam)), "type": "optim_step"}, JSON
+    async def run(handle):
+        return {"metrics": await handle.optim_step(adam), "type": "optim_step"}, JSON
 
     return _submit(svc, user, body.model_id, body.seq_id, "OptimStep", run)
 
@@ -406,8 +406,8 @@ async def save_weights(body: schemas.SaveWeights, user: User = Depends(tinker_us
         _refuse_seq(svc, body.model_id, body.seq_id, user)
         raise
 
-    async def run(actor):
-        await await_ref(actor.save_state.remote(str(folder)))
+    async def run(handle):
+        await handle.save_state(str(folder))
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         row = _checkpoint_row(model, "weights", body.path, user, folder, size, body.ttl_seconds, body.user_metadata)
         svc.state.add_checkpoint(row)
@@ -443,8 +443,8 @@ async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depen
         _refuse_seq(svc, body.model_id, body.seq_id, user)
         raise
 
-    async def run(actor):
-        size = await await_ref(actor.save_sampler_weights.remote(str(folder)))
+    async def run(handle):
+        size = await handle.save_sampler_weights(str(folder))
         row = _checkpoint_row(model, "sampler_weights", name, user, folder, size, body.ttl_seconds,
                               body.user_metadata, ephemeral)
         svc.state.add_checkpoint(row)
@@ -492,8 +492,8 @@ def _load_into(svc: TinkerService, body: schemas.LoadWeights, user: User) -> dic
         _refuse_seq(svc, body.model_id, body.seq_id, user)
         raise
 
-    async def run(actor):
-        await await_ref(actor.load_state.remote(checkpoint.folder, body.optimizer))
+    async def run(handle):
+        await handle.load_state(checkpoint.folder, body.optimizer)
         return {"path": body.path, "type": "load_weights"}, JSON
 
     return _submit(svc, user, model.model_id, body.seq_id, "LoadWeights", run)

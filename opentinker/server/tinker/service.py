@@ -15,12 +15,13 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.store import Store
 from opentinker.server.tinker.futures import FutureTable
 from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
-from opentinker.server.tinker.model_facts import ModelFactsCache, estimated_model_bytes
+from opentinker.server.tinker.model_facts import ModelFactsCache, estimated_adapter_bytes, estimated_model_bytes
 from opentinker.server.tinker.sample_budget import SampleBudget
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, TinkerState
 
@@ -130,27 +131,38 @@ class TinkerService:
         """The served model's context in tokens (its config's max_position_embeddings), if known."""
         return self.facts.get(self.served_model(base_model)).context
 
-    def admit_model(self, served: ServedModel, lora: bool) -> int:
+    def admit_model(self, served: ServedModel, worker_spec: Any) -> int:
         """The memory estimate a new model of ``served`` holds once admitted (0 when its size is
-        unknown). :class:`ServerFull` when the server's live models or memory budget are full;
-        UserError when the model would never fit the budget."""
+        unknown): a LoRA model beside others on a shared base holds its adapter's; the base's
+        weights are held once, by the shared worker, from its first model on. :class:`ServerFull`
+        when the server's live models or memory budget are full; UserError when the model would
+        never fit the budget."""
         settings = self.settings
-        estimate = estimated_model_bytes(self.facts.get(served), lora) or 0
+        facts = self.facts.get(served)
+        lora = worker_spec.lora_rank > 0
+        shared = self.host.shares_base(worker_spec)
+        if shared:
+            estimate = estimated_adapter_bytes(facts, worker_spec.lora_rank) or 0
+            base = 0 if self.host.shared_base_started(worker_spec) else estimated_model_bytes(facts, True) or 0
+        else:
+            estimate, base = estimated_model_bytes(facts, lora) or 0, 0
         kind = "LoRA" if lora else "fully fine-tuned"
         budget = settings.memory_budget_bytes
-        if budget is not None and estimate > budget:
-            raise UserError(f"a {kind} model of {served.name} needs about {_gib(estimate)} (an estimate from its "
-                            f"weight files), more than this server's whole Tinker memory budget of {_gib(budget)}"
+        if budget is not None and estimate + base > budget:
+            raise UserError(f"a {kind} model of {served.name} needs about {_gib(estimate + base)} (an estimate from "
+                            f"its weight files), more than this server's whole Tinker memory budget of {_gib(budget)}"
                             + ("; a LoRA model needs less (lora_config)" if not lora else ""))
         live = self.host.live_models()
         if len(live) >= settings.max_models:
             raise ServerFull(f"the server is full: {len(live)} live Tinker models, the most it runs at once "
                              "(--tinker-max-models); retry when one is unloaded")
-        used = sum(slot.memory_bytes for slot in live)
-        if budget is not None and used + estimate > budget:
+        used = sum(slot.memory_bytes for slot in live) + self.host.base_memory_bytes()
+        if budget is not None and used + estimate + base > budget:
             raise ServerFull(f"the server's memory for Tinker models is full: {_gib(used)} of {_gib(budget)} is "
-                             f"taken (estimated) and a {kind} model of {served.name} needs about {_gib(estimate)}; "
-                             "retry when a model is unloaded")
+                             f"taken (estimated) and a {kind} model of {served.name} needs about "
+                             f"{_gib(estimate + base)}; retry when a model is unloaded")
+        if shared and base:
+            self.host.reserve_base_memory(worker_spec, base)
         return estimate
 
     def usable_model(self, model_id: str, user_id: int) -> ModelRow:

@@ -1,0 +1,436 @@
+"""Many users' LoRA models on one copy of a base model: the Tinker API's multi-tenant worker.
+
+One :class:`AdapterWorker` Ray actor per served base model holds the base weights once and
+every LoRA model of that base as a named peft adapter, each with its own rank, alpha and
+target modules, its own AdamW state, step and RNG state. Nothing of one model is shared with
+another except the frozen base weights.
+
+The host hands it a *cycle* at a time: at most one request per model (each model's requests
+run in its ``seq_id`` order), so every waiting model is served once per cycle. The cycle's
+``forward_backward`` / ``forward`` requests run as one batched pass: the rows of every request
+go through the base model together and each LoRA layer adds, to each row, only that row's
+adapter (peft's mixed-adapter forward: rows are grouped per adapter in every layer, which is
+how different ranks and targets live side by side). Each request's loss is its own sum over
+its own rows; the cycle back-propagates the sum of the training requests' losses, and since a
+row's output depends on its own adapter only, each adapter gets exactly its own gradient.
+``optim_step``, checkpoints and the rest run one model at a time.
+
+Residency: with ``max_resident`` set, at most that many adapters live on the device; the
+least recently used ones (weights, accumulated gradients and optimizer state) go to a file
+and come back, bit-identical, on their model's next request. A cycle with more models than
+``max_resident`` runs its batched pass in groups of at most ``max_resident`` models.
+
+The base model runs in eval mode (no dropout, as Tinker trains), which is also what peft's
+mixed-adapter forward requires; gradients flow all the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opentinker.engine.backend.base import adamw_for, clip_gradients
+from opentinker.engine.backend.forward import ResponseScorer
+from opentinker.engine.backend.local import STATE_FILE
+from opentinker.engine.backend.lora import ADAPTER, LoraSettings
+from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
+from opentinker.engine.batch import TokenBatch
+from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
+from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
+
+log = logging.getLogger("opentinker.engine.tinker")
+
+#: A sampler snapshot of a LoRA model: the adapter alone, in peft's folder layout.
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+#: Rows' tokens one batched pass takes at most (more are split into further passes).
+MAX_PASS_TOKENS = 65_536
+
+
+@dataclass
+class ForwardBackwardCall:
+    """One ``forward_backward`` (or ``forward``: ``forward_only``) request of one model."""
+
+    model_id: str
+    data: Sequence[Datum]
+    loss_fn: str
+    loss_config: Mapping[str, float] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class _Prepared:
+    index: int  # in the cycle's list of calls
+    call: ForwardBackwardCall
+    adapter: "_Adapter"
+    batch: TokenBatch
+    loss: Any  # LossSpec
+    config: dict[str, Any]
+
+
+@dataclass
+class _Adapter:
+    model_id: str
+    name: str  # the peft adapter's name in the shared model
+    settings: LoraSettings
+    optimizer: torch.optim.AdamW | None = None
+    step: int = 0
+    rng: torch.Tensor | None = None  # this model's own RNG state (saved with its checkpoints)
+    offloaded: Path | None = None  # where its state waits while not resident
+
+
+class AdapterWorker:
+    """``max_resident``: adapters kept on the device at once (None: all); ``offload_dir``: where
+    the others wait."""
+
+    def __init__(self, model_path: str | None, trust_remote_code: bool = False, device: str = "auto",
+                 max_resident: int | None = None, offload_dir: str | None = None):
+        import tempfile
+
+        from transformers import AutoConfig
+
+        from opentinker.engine.model_loading import load_causal_lm, load_tokenizer, pick_device, resolve_model_path
+
+        if max_resident is not None and max_resident < 1:
+            raise ValueError(f"max_resident must be >= 1 or None, got {max_resident}")
+        path = resolve_model_path(model_path)
+        self.device = pick_device(device)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.vocab_size = int(config.vocab_size)
+        positions = getattr(config, "max_position_embeddings", None)
+        self.context = int(positions) if positions else None
+        pad = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
+        self.base = load_causal_lm(path, device=self.device, trust_remote_code=trust_remote_code).eval()
+        self.base.requires_grad_(False)
+        self.model: Any = None  # the peft model, made with the first adapter
+        # Rows are scored as padded rows: prefix sharing and packing would mix rows of
+        # different adapters.
+        self.scorer = ResponseScorer(pad, self.device, use_remove_padding=False, share_prompt_prefix=False)
+        self.adapters: dict[str, _Adapter] = {}
+        self.max_resident = max_resident
+        self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._names = 0
+        self._offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="opentinker-adapters-"))
+        self._offload_dir.mkdir(parents=True, exist_ok=True)
+        self.passes = 0  # batched passes run (for tests and stats)
+
+    def ready(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "context": self.context}
+
+    def stats(self) -> dict[str, Any]:
+        import psutil
+
+        return {"models": len(self.adapters), "resident": list(self._resident), "passes": self.passes,
+                "rss_bytes": psutil.Process().memory_info().rss}
+
+    # -- the cycle --------------------------------------------------------------------
+    def cycle(self, calls: Sequence[ForwardBackwardCall],
+              ops: Sequence[tuple[str, str, tuple]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """One cycle: ``calls`` in batched passes, then each ``(method, model_id, args)`` of
+        ``ops``. Every entry gets ``{"result": ...}`` or ``{"error": message, "category": ...}``;
+        one model's failure is its own."""
+        fb = self.forward_backward(calls) if calls else []
+        done = []
+        for method, model_id, args in ops:
+            if method not in _OPS:
+                done.append({"error": f"unknown operation {method!r}", "category": "server"})
+                continue
+            try:
+                done.append({"result": getattr(self, method)(model_id, *args)})
+            except Exception as error:  # noqa: BLE001 - reported to that model's request
+                done.append(_error(error))
+        return fb, done
+
+    # -- models -----------------------------------------------------------------------
+    def add_model(self, model_id: str, settings: LoraSettings) -> dict[str, Any]:
+        if model_id in self.adapters:
+            raise ValueError(f"model {model_id} is already here")
+        self._names += 1
+        adapter = _Adapter(model_id, f"model{self._names}", settings,
+                           rng=torch.Generator().manual_seed(settings.seed).get_state())
+        self._attach(adapter)
+        self.adapters[model_id] = adapter
+        self._use([model_id])
+        return {"step": 0}
+
+    def remove_model(self, model_id: str) -> None:
+        adapter = self.adapters.pop(model_id, None)
+        if adapter is None:
+            return
+        if adapter.offloaded is not None:
+            adapter.offloaded.unlink(missing_ok=True)
+        else:
+            self._detach(adapter)
+
+    def _attach(self, adapter: _Adapter) -> None:
+        """Fresh LoRA weights for ``adapter`` in the shared model, from its seed (the same
+        values peft gives a model of its own with that seed)."""
+        config = adapter.settings.peft_config()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(adapter.settings.seed)
+            if self.model is None:
+                from peft import get_peft_model
+
+                self.model = get_peft_model(self.base, config, adapter_name=adapter.name).eval()
+            else:
+                self.model.add_adapter(adapter.name, config)
+        for parameter in self._parameters(adapter):
+            parameter.requires_grad_(True)
+        self._resident[adapter.model_id] = None
+
+    def _detach(self, adapter: _Adapter) -> None:
+        self.model.delete_adapter(adapter.name)
+        adapter.optimizer = None
+        self._resident.pop(adapter.model_id, None)
+
+    def _named_parameters(self, adapter: _Adapter) -> list[tuple[str, torch.nn.Parameter]]:
+        """The adapter's tensors in module order (the order of its optimizer's state)."""
+        marker = re.compile(rf"\.lora_[AB]\.{adapter.name}\.")
+        return [(name, p) for name, p in self.model.named_parameters() if marker.search(name)]
+
+    def _parameters(self, adapter: _Adapter) -> list[torch.nn.Parameter]:
+        return [p for _, p in self._named_parameters(adapter)]
+
+    def _adapter(self, model_id: str) -> _Adapter:
+        adapter = self.adapters.get(model_id)
+        if adapter is None:
+            raise KeyError(f"model {model_id} is not on this worker")
+        return adapter
+
+    # -- residency --------------------------------------------------------------------
+    def _use(self, model_ids: Sequence[str]) -> None:
+        """Makes ``model_ids`` resident (reloading offloaded ones) and most recently used, then
+        offloads the least recently used others past the budget."""
+        for model_id in model_ids:
+            adapter = self._adapter(model_id)
+            if adapter.offloaded is not None:
+                self._reload(adapter)
+            self._resident.move_to_end(model_id)
+        if self.max_resident is None:
+            return
+        for model_id in list(self._resident):
+            if len(self._resident) <= self.max_resident:
+                break
+            if model_id not in model_ids:
+                self._offload(self.adapters[model_id])
+
+    def _offload(self, adapter: _Adapter) -> None:
+        named = self._named_parameters(adapter)
+        state = {"params": {name: p.detach().cpu() for name, p in named},
+                 "grads": {name: p.grad.cpu() for name, p in named if p.grad is not None},
+                 "optimizer": None if adapter.optimizer is None else adapter.optimizer.state_dict()}
+        target = self._offload_dir / f"{adapter.name}.pt"
+        torch.save(_strip_names(state, adapter.name), target)
+        self._detach(adapter)
+        adapter.offloaded = target
+
+    def _reload(self, adapter: _Adapter) -> None:
+        state = _named_for(torch.load(adapter.offloaded, map_location="cpu", weights_only=True), adapter.name)
+        self._attach(adapter)
+        with torch.no_grad():
+            for name, parameter in self._named_parameters(adapter):
+                parameter.copy_(state["params"][name])
+                grad = state["grads"].get(name)
+                parameter.grad = None if grad is None else grad.to(parameter.device)
+        if state["optimizer"] is not None:
+            adapter.optimizer = torch.optim.AdamW(self._parameters(adapter), lr=0.0)
+            adapter.optimizer.load_state_dict(state["optimizer"])
+        adapter.offloaded.unlink(missing_ok=True)
+        adapter.offloaded = None
+
+    # -- training -----------------------------------------------------------------------
+    def forward_backward(self, calls: Sequence[ForwardBackwardCall]) -> list[dict[str, Any]]:
+        """Each call's per-datum ``logprobs`` / ``elementwise_loss`` and metrics, computed in
+        batched passes; a call that cannot run (bad datums, unknown loss) fails alone."""
+        results: list[dict[str, Any] | None] = [None] * len(calls)
+        prepared = []
+        for index, call in enumerate(calls):
+            try:
+                adapter = self._adapter(call.model_id)
+                batch = token_batch(call.data, self.vocab_size, self.context)
+                loss, config = resolve_loss(call.loss_fn, call.loss_config)
+                check_inputs(loss, batch.tensors, tuple(batch.response_mask.shape))
+            except Exception as error:  # noqa: BLE001 - that call's own failure
+                results[index] = _error(error)
+                continue
+            prepared.append(_Prepared(index, call, adapter, batch, loss, config))
+        for group in self._passes(prepared):
+            try:
+                self._run_pass(group, results)
+            except Exception as error:  # noqa: BLE001
+                if len(group) == 1:
+                    results[group[0].index] = _error(error)
+                    continue
+                log.warning("a batched pass of %d requests failed (%s); running them one by one", len(group), error)
+                for item in group:
+                    try:
+                        self._run_pass([item], results)
+                    except Exception as single:  # noqa: BLE001
+                        results[item.index] = _error(single)
+        return results  # type: ignore[return-value]
+
+    def _passes(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
+        """The calls in groups of at most ``max_resident`` models and ``MAX_PASS_TOKENS`` tokens."""
+        groups: list[list[_Prepared]] = []
+        models: set[str] = set()
+        tokens = 0
+        for item in prepared:
+            size = sum(len(p) + len(r) for p, r in zip(item.batch.prompt_ids, item.batch.response_ids))
+            full = (self.max_resident is not None and item.call.model_id not in models
+                    and len(models) >= self.max_resident) or tokens + size > MAX_PASS_TOKENS
+            if not groups or full:
+                groups.append([])
+                models, tokens = set(), 0
+            groups[-1].append(item)
+            models.add(item.call.model_id)
+            tokens += size
+        return groups
+
+    def _run_pass(self, group: list[_Prepared], results: list[Any]) -> None:
+        self._use([item.call.model_id for item in group])
+        rows = [item.adapter.name for item in group for _ in range(len(item.batch))]
+        combined = TokenBatch.from_responses([p for item in group for p in item.batch.prompt_ids],
+                                             [r for item in group for r in item.batch.response_ids])
+        train = any(not item.call.forward_only for item in group)
+        needs_entropy = [item.loss.needs_entropy(item.config) for item in group]
+
+        def model(**inputs):
+            return self.model(**inputs, adapter_names=rows)
+
+        with torch.set_grad_enabled(train):
+            logprobs, entropy = self.scorer(model, combined, 1.0, any(needs_entropy), entropy_grad=any(needs_entropy))
+        self.passes += 1
+        total = None
+        outcomes = []
+        start = 0
+        for item, entropy_needed in zip(group, needs_entropy):
+            end, width = start + len(item.batch), item.batch.response_width
+            item_logprobs = logprobs[start:end, :width]
+            item_entropy = entropy[start:end, :width] if entropy_needed else None
+            if item.call.forward_only:
+                with torch.no_grad():
+                    out = weighted_loss(item.loss, item.config, item_logprobs.detach(),
+                                        None if item_entropy is None else item_entropy.detach(), item.batch,
+                                        self.device)
+            else:
+                out = weighted_loss(item.loss, item.config, item_logprobs, item_entropy, item.batch, self.device)
+                total = out.loss if total is None else total + out.loss
+            outcomes.append((item, item_logprobs, out))
+            start = end
+        if total is not None:
+            total.backward()
+        for item, item_logprobs, out in outcomes:
+            results[item.index] = {"result": {
+                "outputs": per_datum(item.batch, logprobs=item_logprobs.detach(), elementwise_loss=out.elementwise),
+                "metrics": out.metrics}}
+
+    def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
+        """One AdamW step of this model's adapter (clip, skip on a non-finite norm, clear its
+        gradients), as ``LocalBackend.optim_step``."""
+        self._use([model_id])
+        adapter = self._adapter(model_id)
+        params = adam_params(adam)
+        parameters = self._parameters(adapter)
+        adapter.optimizer = adamw_for(adapter.optimizer, parameters, params)
+        grad_norm = clip_gradients(parameters, params.grad_clip)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            adapter.optimizer.step()
+            adapter.step += 1
+        adapter.optimizer.zero_grad(set_to_none=True)
+        return tinker_step_metrics({"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)})
+
+    # -- state ----------------------------------------------------------------------------
+    def save_state(self, model_id: str, path: str) -> None:
+        """The adapter, optimizer, RNG and step in ``LocalBackend``'s checkpoint format (a
+        model of its own with the same LoRA loads it, and the other way round)."""
+        self._use([model_id])
+        adapter = self._adapter(model_id)
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {name: p.detach().cpu() for name, p in self._named_parameters(adapter)}
+        torch.save({"model": _strip_names(weights, adapter.name),
+                    "optimizer": None if adapter.optimizer is None else adapter.optimizer.state_dict(),
+                    "rng": adapter.rng, "cuda_rng": None, "step": adapter.step}, folder / STATE_FILE)
+
+    def load_state(self, model_id: str, path: str, with_optimizer: bool = True) -> None:
+        self._use([model_id])
+        adapter = self._adapter(model_id)
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+        weights = _named_for(state["model"], adapter.name)
+        named = dict(self._named_parameters(adapter))
+        if set(weights) != set(named):
+            raise ValueError(f"{path}: the saved state does not fit this model (a different LoRA rank or targets)")
+        with torch.no_grad():
+            for name, parameter in named.items():
+                if parameter.shape != weights[name].shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(weights[name].shape)}, this model's "
+                                     f"{tuple(parameter.shape)}")
+                parameter.copy_(weights[name])
+                parameter.grad = None
+        adapter.optimizer = None
+        if with_optimizer and state["optimizer"] is not None:
+            adapter.optimizer = torch.optim.AdamW(list(named.values()), lr=0.0)
+            adapter.optimizer.load_state_dict(state["optimizer"])
+        if state.get("rng") is not None:
+            adapter.rng = state["rng"]
+        adapter.step = int(state["step"])
+
+    def save_sampler_weights(self, model_id: str, path: str) -> int:
+        """The adapter alone as a peft folder (``adapter_model.safetensors`` and
+        ``adapter_config.json``); returns its size in bytes."""
+        from safetensors.torch import save_file
+
+        self._use([model_id])
+        adapter = self._adapter(model_id)
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = f".{adapter.name}."
+        tensors = {name.replace(marker, "."): p.detach().cpu().contiguous()
+                   for name, p in self._named_parameters(adapter)}
+        save_file(tensors, folder / ADAPTER_WEIGHTS_FILE)
+        config = adapter.settings.peft_config().to_dict()
+        config["target_modules"] = sorted(config["target_modules"]) if isinstance(
+            config["target_modules"], (set, list)) else config["target_modules"]
+        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, default=str, indent=1))
+        return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+    def close(self) -> None:
+        for adapter in self.adapters.values():
+            if adapter.offloaded is not None:
+                adapter.offloaded.unlink(missing_ok=True)
+
+
+_OPS = {"add_model", "remove_model", "optim_step", "save_state", "load_state", "save_sampler_weights"}
+
+
+def _error(error: BaseException) -> dict[str, Any]:
+    """A failure as the host reports it: the user's for bad input (ValueError: datums, losses,
+    a checkpoint that does not fit), the server's otherwise."""
+    if isinstance(error, ValueError):
+        return {"error": str(error), "category": "user"}
+    return {"error": f"{type(error).__name__}: {error}", "category": "server"}
+
+
+def _strip_names(state: Any, name: str) -> Any:
+    """Tensor names of adapter ``name`` as a model of its own names them (peft's ``default``)."""
+    if isinstance(state, dict):
+        return {(key.replace(f".{name}.", f".{ADAPTER}.") if isinstance(key, str) else key): _strip_names(value, name)
+                for key, value in state.items()}
+    return state
+
+
+def _named_for(state: Any, name: str) -> Any:
+    if isinstance(state, dict):
+        return {(key.replace(f".{ADAPTER}.", f".{name}.") if isinstance(key, str) else key): _named_for(value, name)
+                for key, value in state.items()}
+    return state

@@ -1,0 +1,167 @@
+"""Many users' LoRA models on one base model, through the official ``tinker`` SDK against a real
+server: one shared worker holds them all; each model trains exactly as it does alone; a bad
+request of one leaves the others alone; sampler snapshots are adapter-sized; with one resident
+adapter, models evicted to disk and back train exactly as if never evicted."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+TINY = "opentinker-tiny-arith"
+STEPS = 3
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def batch_of(client: int, step: int) -> list[types.Datum]:
+    """Client ``client``'s datums at ``step``: its own tokens, rows of different lengths."""
+    rng = np.random.default_rng(100 * client + step)
+    return [datum(rng.integers(3, 1000, size=5 + 4 * row).tolist()) for row in range(2)]
+
+
+PROBE = datum(list(range(10, 30)))
+
+
+def train(service, client: int, rank: int, bad_request: bool = False) -> dict:
+    """One client's run: STEPS of forward_backward + optim_step (with ``bad_request``, a
+    malformed forward_backward before each step), then a state checkpoint and a sampler
+    snapshot; returns its losses, model id, paths and the probe's logprobs."""
+    tc = service.create_lora_training_client(base_model=TINY, rank=rank, seed=client).result()
+    losses = []
+    for step in range(STEPS):
+        if bad_request:
+            with pytest.raises(Exception, match="vocabulary"):
+                tc.forward_backward([datum([1, 2, 10**6])], "cross_entropy").result()
+        out = tc.forward_backward(batch_of(client, step), "cross_entropy").result()
+        losses.append(out.metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    probe = tc.forward([PROBE], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    return {"model_id": tc.model_id, "losses": losses, "probe": probe, "state": tc.save_state("final").result().path,
+            "sampler": tc.save_weights_for_sampler("final").result().path, "client": tc}
+
+
+def checkpoint_weights(data_dir: Path, tinker_path: str) -> dict:
+    import torch
+
+    run, kind, name = tinker_path.removeprefix("tinker://").split("/")
+    state = torch.load(data_dir / "tinker" / run.replace(":", "_") / kind / name / "backend_state.pt",
+                       weights_only=False)
+    return state["model"]
+
+
+def workers(server) -> dict[str, int]:
+    """The server's Tinker workers: shared base workers, the models in them, models with a
+    worker of their own."""
+    import ray
+
+    from opentinker.server.tinker.host import OwnWorker
+
+    host = server.app.state.tinker.host
+    bases = host.shared_bases()
+    return {"shared bases": len(bases), "adapters": sum(ray.get(b.actor.stats.remote())["models"] for b in bases),
+            "own workers": sum(isinstance(slot.actor, OwnWorker) for slot in host.live_models())}
+
+
+CLIENTS = [(0, 4), (1, 8), (2, 4), (3, 8)]  # (client, LoRA rank): two ranks, four models
+
+
+def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, data_dir):
+    users = ["alice", "alice", "bob", "bob"]
+    services = [tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys[user]) for user in users]
+    with concurrent.futures.ThreadPoolExecutor(len(CLIENTS)) as pool:
+        together = list(pool.map(lambda args: train(services[args[0]], *args, bad_request=args[0] == 1), CLIENTS))
+    assert workers(server) == {"shared bases": 1, "adapters": 4, "own workers": 0}  # one base copy for all
+
+    # Four adapters sampled in one server: each snapshot is the adapter alone, and each model's
+    # samples carry that model's own logprobs.
+    tiny_bytes = sum(f.stat().st_size for f in Path(_tiny_folder()).glob("*.safetensors"))
+    prompt = PROBE.model_input.to_ints()[:5]
+    for (client, _), run in zip(CLIENTS, together):
+        folder = _folder(data_dir, run["sampler"])
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        print(f"sampler snapshot of {run['model_id']}: {size} bytes (base weights {tiny_bytes} bytes)")
+        assert size < tiny_bytes / 4 and not (folder / "sampler_weights.pt").exists()
+        sampler = services[client].create_sampling_client(model_path=run["sampler"]).result()
+        sample = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                                sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
+        sequence = sample.sequences[0]
+        full = prompt + list(sequence.tokens)
+        trained = run["client"].forward([datum(full)], "cross_entropy").result()
+        expected = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:]
+        np.testing.assert_allclose(sequence.logprobs, expected, atol=2e-4)
+    for service in services:
+        service.close("success").result()
+
+    for (client, rank), run in zip(CLIENTS, together):
+        service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["alice"])
+        alone = train(service, client, rank, bad_request=client == 1)
+        np.testing.assert_allclose(alone["losses"], run["losses"], atol=1e-5)
+        np.testing.assert_allclose(alone["probe"], run["probe"], atol=1e-5)
+        mine, ours = checkpoint_weights(data_dir, alone["state"]), checkpoint_weights(data_dir, run["state"])
+        assert set(mine) == set(ours)
+        assert max(float((mine[n] - ours[n]).abs().max()) for n in mine) < 1e-5
+        service.close("success").result()
+    # Ranks differ, so the models really are different adapters.
+    assert {len(checkpoint_weights(data_dir, r["state"])["base_model.model.model.layers.0.self_attn.q_proj"
+                                                          ".lora_A.default.weight"]) for r in together} == {4, 8}
+
+
+def _tiny_folder() -> str:
+    from opentinker.engine.tiny import tiny_model_dir
+
+    return str(tiny_model_dir())
+
+
+def _folder(data_dir: Path, tinker_path: str) -> Path:
+    run, kind, name = tinker_path.removeprefix("tinker://").split("/")
+    return data_dir / "tinker" / run.replace(":", "_") / kind / name
+
+
+def _three_in_turn(server, key: str, after_first_round=lambda: None) -> dict[int, list[float]]:
+    """Three models trained in turn (one step of each, round after round); their losses."""
+    service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
+    clients = {c: service.create_lora_training_client(base_model=TINY, rank=rank, seed=c).result()
+               for c, rank in CLIENTS[:3]}
+    losses: dict[int, list[float]] = {c: [] for c in clients}
+    for step in range(STEPS):
+        for c, tc in clients.items():
+            losses[c].append(tc.forward_backward(batch_of(c, step), "cross_entropy").result().metrics["loss:sum"])
+            tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        if step == 0:
+            after_first_round()
+    service.close("success").result()
+    return losses
+
+
+def test_with_one_resident_adapter_three_models_train_as_if_never_evicted(server, keys, start_server, tmp_path):
+    from opentinker.server import auth
+    from opentinker.server.store import Store
+
+    store = Store(tmp_path / "opentinker.db")
+    try:
+        key = auth.create_api_key(store, auth.create_user(store, "carol"))
+    finally:
+        store.close()
+    tight = start_server(tmp_path, tinker_max_resident_adapters=1)
+    offload = tmp_path / "tinker" / "offload"
+
+    def two_on_disk():
+        assert len(list(offload.rglob("*.pt"))) == 2  # the two models not in use wait on disk
+
+    evicted = _three_in_turn(tight, key, two_on_disk)
+    assert list((tmp_path / "tinker" / "offload").rglob("*.pt")) == []  # the session's end removed them
+    resident = _three_in_turn(server, keys["alice"])
+    for c in resident:
+        np.testing.assert_allclose(evicted[c], resident[c], atol=1e-6, rtol=0)
