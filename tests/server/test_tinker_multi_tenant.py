@@ -101,8 +101,10 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
         trained = run["client"].forward([datum(full)], "cross_entropy").result()
         expected = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:]
         np.testing.assert_allclose(sequence.logprobs, expected, atol=2e-4)
-    for service in services:
-        service.close("success").result()
+    # The four sessions end at once: each unload waits for the shared worker, the last one stops it.
+    with concurrent.futures.ThreadPoolExecutor(len(services)) as pool:
+        list(pool.map(lambda service: service.close("success").result(timeout=120), services))
+    assert workers(server) == {"shared bases": 0, "adapters": 0, "own workers": 0}
 
     for (client, rank), run in zip(CLIENTS, together):
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["alice"])

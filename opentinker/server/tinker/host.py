@@ -139,6 +139,7 @@ class SharedBase:
         self.models: set[str] = set()
         self._calls: list[tuple[Any, asyncio.Future]] = []
         self._ops: list[tuple[tuple[str, str, tuple], asyncio.Future]] = []
+        self._in_flight: list[asyncio.Future] = []  # the cycle the worker is running
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.started: asyncio.Future | None = None
@@ -180,7 +181,7 @@ class SharedBase:
             while self._calls or self._ops:
                 calls, self._calls = self._calls, []
                 ops, self._ops = self._ops, []
-                waiting = [future for _, future in calls + ops]
+                waiting = self._in_flight = [future for _, future in calls + ops]
                 try:
                     fb, done = await await_ref(self.actor.cycle.remote([c for c, _ in calls], [o for o, _ in ops]))
                 except Exception as error:  # the worker died (or a Ray failure): every request of the cycle
@@ -202,7 +203,7 @@ class SharedBase:
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        for _, future in self._calls + self._ops:
+        for future in self._in_flight + [future for _, future in self._calls + self._ops]:
             if not future.done():
                 future.set_exception(RuntimeError("the base model's worker stopped"))
         if self.actor is not None:
