@@ -210,6 +210,15 @@ class ModelList(_Model):
     judge_models: list[str] = Field(default_factory=list)
 
 
+class TokenizerFiles(_Model):
+    """``GET /v1/models/{name}/tokenizer``: a served model's tokenizer files (base64), what
+    ``opentinker tokenizer NAME`` places in the Hugging Face cache so that
+    ``AutoTokenizer.from_pretrained(NAME)`` (the tinker SDK's ``get_tokenizer()``) works offline."""
+
+    model: str
+    files: dict[str, str]  # file name -> base64 of its bytes
+
+
 class Health(_Model):
     status: Literal["ok"] = "ok"
     version: str

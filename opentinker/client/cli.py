@@ -10,6 +10,7 @@
     opentinker jobs checkpoints ID
     opentinker jobs download ID [--name NAME] [--dest DIR]
     opentinker models                 # what actor_rollout_ref.model.path may name here
+    opentinker tokenizer NAME         # a served model's tokenizer into the Hugging Face cache
     opentinker chat JOB[/CHECKPOINT] [-m MESSAGE]   # talk to a job's model (its current weights)
 
 The server and key come from ``--base-url`` / ``--api-key`` (before or after the command)
@@ -252,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_options(models, suppress=True)
     models.set_defaults(handler=_models)
 
+    tokenizer = commands.add_parser(
+        "tokenizer", help="put a served model's tokenizer in the Hugging Face cache (the tinker SDK's "
+        "get_tokenizer() then works offline)",
+        description="Fetches the tokenizer files of a model this server serves (GET /v1/models/NAME/tokenizer) "
+        "and writes them where Hugging Face looks for NAME, so that AutoTokenizer.from_pretrained(NAME), which "
+        "training_client.get_tokenizer() calls, loads them without the Hub (set HF_HUB_OFFLINE=1 to skip "
+        "its network check).")
+    tokenizer.add_argument("model", help="a served model's name (opentinker models)")
+    tokenizer.add_argument("--cache-dir", default=None,
+                           help="the Hub cache folder (default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+                                "~/.cache/huggingface/hub)")
+    _connection_options(tokenizer, suppress=True)
+    tokenizer.set_defaults(handler=_tokenizer)
+
     for setup in _EXTRA_COMMANDS:
         setup(commands)
     return parser
@@ -263,6 +278,16 @@ def _models(args: argparse.Namespace) -> int:
     rows = [[m.name, "default" if m.default else ""] for m in listed.models]
     rows += [[name, "judge"] for name in listed.judge_models]
     _print(_table(["MODEL", ""], rows))
+    return 0
+
+
+def _tokenizer(args: argparse.Namespace) -> int:
+    from opentinker.client.tokenizer_cache import place_in_hf_cache
+
+    with make_client(args) as client:
+        files = client.tokenizer_files(args.model)
+    folder = place_in_hf_cache(files, args.cache_dir)
+    print(f"the tokenizer of {args.model} ({len(files.files)} files) is in {folder}")
     return 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import uuid
+from urllib.parse import quote
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ from opentinker.protocol import (
     JobInfo,
     JobList,
     JobMode,
+    TokenizerFiles,
 )
 
 if TYPE_CHECKING:
@@ -244,6 +246,11 @@ class OpenTinkerClient:
         """``GET /v1/models``: the names ``actor_rollout_ref.model.path`` may take on this server
         (and the strategy-judge models ``algorithm.judge.model`` may pick)."""
         return ModelList.model_validate(self.request_json("GET", "/models"))
+
+    def tokenizer_files(self, model: str) -> TokenizerFiles:
+        """``GET /v1/models/{model}/tokenizer``: a served model's tokenizer files (see
+        :func:`opentinker.client.tokenizer_cache.place_in_hf_cache`)."""
+        return TokenizerFiles.model_validate(self.request_json("GET", f"/models/{quote(model, safe='')}/tokenizer"))
 
     def create_job(self, job: JobCreate | Mapping[str, Any], *, idempotency_key: str | None = None) -> JobHandle:
         """``POST /v1/jobs``; returns a handle on the new job."""

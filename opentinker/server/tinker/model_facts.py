@@ -38,7 +38,8 @@ class ModelFacts:
     lora_params_per_rank: int | None = None
 
 
-def _folder(model: ServedModel) -> Path | None:
+def model_folder(model: ServedModel) -> Path | None:
+    """Where a served model's files are on this machine (None: not here, or not yet)."""
     if model.path is None:
         from opentinker.engine.tiny import tiny_model_dir  # no torch: only where the cache puts it
 
@@ -104,7 +105,7 @@ class ModelFactsCache:
 
 
 def read_model_facts(model: ServedModel) -> ModelFacts:
-    folder = _folder(model)
+    folder = model_folder(model)
     if folder is None or not (folder / "config.json").is_file():
         return ModelFacts(None, None)
     try:
