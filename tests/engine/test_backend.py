@@ -289,3 +289,16 @@ def test_a_backend_spec_refuses_what_no_backend_can_build(tiny_model_dir):
                        "actor_rollout_ref.model.lora_rank=4", "trainer.seed=7", "actor_rollout_ref.actor.use_kl_loss=true"])
     spec = BackendSpec.from_config(cfg, str(tiny_model_dir), 0)
     assert (spec.strategy, spec.ranks, spec.lora.rank, spec.lora.seed, spec.with_reference) == ("fsdp", 4, 4, 7, True)
+
+
+def test_forward_loss_gives_forward_backwards_outputs_and_leaves_the_gradients(make_backend, batch):
+    backend = make_backend()
+    _tinker_inputs(batch, backend.forward(batch).logprobs)
+    only = backend.forward_loss(batch, "ppo", {"clip_low_threshold": 0.9})
+    assert all(p.grad is None for p in backend.model.parameters())
+    full = backend.forward_backward(batch, "ppo", {"clip_low_threshold": 0.9})
+    assert torch.allclose(only.logprobs, full.logprobs, atol=1e-6)
+    assert torch.allclose(only.elementwise_loss, full.elementwise_loss, atol=1e-6)
+    assert only.metrics == pytest.approx(full.metrics, rel=1e-5)
+    with pytest.raises(ValueError, match="unknown loss function 'nope'"):
+        backend.forward_loss(batch, "nope")

@@ -56,6 +56,10 @@ def test_logprobs_match_the_local_backend(fsdp, local, batch):
         assert torch.allclose(sharded.entropy, single.entropy, atol=1e-5)
     one_row = batch.select([2])  # fewer rows than ranks: the idle rank computes a zero-weight row
     assert torch.allclose(fsdp.forward(one_row).logprobs, local.forward(one_row).logprobs, atol=1e-5)
+    # Loss values without gradients (forward_loss) agree too.
+    sharded, single = fsdp.forward_loss(batch, "cross_entropy"), local.forward_loss(batch, "cross_entropy")
+    assert torch.allclose(sharded.elementwise_loss, single.elementwise_loss, atol=1e-5)
+    assert sharded.metrics["loss:sum"] == pytest.approx(single.metrics["loss:sum"], rel=1e-5)
 
 
 def test_one_update_gives_the_same_weights_and_weight_stream(fsdp, local, batch, tmp_path):

@@ -28,7 +28,9 @@ from opentinker.engine.algorithms.masked import masked_mean, masked_sum, masked_
 from opentinker.engine.algorithms.policy_losses import (
     POLICY_LOSSES,
     PolicyLossFn,
+    PolicyTokenLossFn,
     get_policy_loss,
+    policy_token_losses,
     register_policy_loss,
 )
 from opentinker.engine.algorithms.value_loss import compute_value_loss
@@ -40,11 +42,13 @@ __all__ = [
     "POLICY_LOSSES",
     "AdvantageEstimatorFn",
     "PolicyLossFn",
+    "PolicyTokenLossFn",
     "agg_loss",
     "compute_value_loss",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
+    "policy_token_losses",
     "kl_penalty",
     "masked_mean",
     "masked_sum",

@@ -8,6 +8,8 @@ One protocol, :class:`TrainingBackend`, whoever holds the model (one process, or
   default the response mask), so the caller chooses the normalisation (e.g. ``1 / tokens in
   the mini-batch`` for token-mean) and calls may be split freely: gradients accumulate
   until the next ``optim_step``;
+- ``forward_loss(batch, loss_fn, loss_config)`` -> the same outputs as ``forward_backward``
+  without touching the gradients (Tinker's ``forward``: loss values of held-out data);
 - ``optim_step(AdamParams)`` -> metrics (grad norm, lr); the learning rate comes with every
   call, so schedules belong to the caller;
 - ``weights()`` -> the full weights as size-bounded buckets of ``(name, tensor)``, for weight
@@ -98,6 +100,11 @@ class TrainingBackend(Protocol):
         with_entropy: bool = False,
     ) -> ForwardBackwardOutput: ...
 
+    def forward_loss(
+        self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None = None, *,
+        temperature: float = 1.0,
+    ) -> ForwardBackwardOutput: ...
+
     def optim_step(self, params: AdamParams) -> dict[str, float]: ...
 
     def weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]: ...
@@ -125,3 +132,16 @@ def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFA
         size += nbytes
     if bucket:
         yield bucket
+
+
+def loss_without_gradients(backend: TrainingBackend, batch: TokenBatch, loss_fn: str,
+                           loss_config: Mapping[str, Any] | None, temperature: float) -> ForwardBackwardOutput:
+    """``forward_loss`` for any backend: its ``forward``, then the loss on the driver side."""
+    from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
+
+    spec, config = resolve_loss(loss_fn, loss_config)
+    check_inputs(spec, batch.tensors, tuple(batch.response_mask.shape))
+    out = backend.forward(batch, temperature=temperature, with_entropy=spec.needs_entropy(config))
+    with torch.no_grad():
+        loss = weighted_loss(spec, config, out.logprobs, out.entropy, batch, out.logprobs.device)
+    return ForwardBackwardOutput(out.logprobs, loss.elementwise, loss.metrics, out.entropy)

@@ -34,6 +34,7 @@ from opentinker.engine.backend.base import (
     WeightBucket,
     adamw_for,
     clip_gradients,
+    loss_without_gradients,
 )
 from opentinker.engine.backend.forward import ResponseScorer, pad_to
 from opentinker.engine.backend.lora import MergeEntry, add_adapters, merge_plan, merged_tensor
@@ -361,6 +362,11 @@ class FSDPBackend:
             _join([r[0] for r in results], shards, width), _join([r[1] for r in results], shards, width), metrics,
             _join([r[3] for r in results], shards, width) if results[0][3] is not None else None,
         )
+
+    def forward_loss(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None = None, *,
+                     temperature: float = 1.0) -> ForwardBackwardOutput:
+        """``forward_backward``'s outputs, the gradients left as they are."""
+        return loss_without_gradients(self, batch, loss_fn, loss_config, temperature)
 
     def optim_step(self, params: AdamParams) -> dict[str, float]:
         metrics = self._call("optim_step", params)[0]

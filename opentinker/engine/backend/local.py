@@ -20,6 +20,7 @@ from opentinker.engine.backend.base import (
     WeightBucket,
     adamw_for,
     clip_gradients,
+    loss_without_gradients,
     bucketed,
 )
 from opentinker.engine.backend.forward import ResponseScorer
@@ -95,6 +96,11 @@ class LocalBackend:
             logprobs.detach().cpu(), out.elementwise.cpu(), out.metrics,
             None if entropy is None else entropy.detach().cpu(),
         )
+
+    def forward_loss(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None = None, *,
+                     temperature: float = 1.0) -> ForwardBackwardOutput:
+        """``forward_backward``'s outputs, the gradients left as they are."""
+        return loss_without_gradients(self, batch, loss_fn, loss_config, temperature)
 
     def optim_step(self, params: AdamParams) -> dict[str, float]:
         """Clip, then one AdamW step; a non-finite gradient norm skips the step (it would

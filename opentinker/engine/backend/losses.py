@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from opentinker.engine.algorithms.kl import kl_penalty
-from opentinker.engine.algorithms.policy_losses import POLICY_TOKEN_LOSSES
+from opentinker.engine.algorithms.policy_losses import policy_token_losses
 from opentinker.engine.batch import TokenBatch
 
 Stats = dict[str, torch.Tensor]
@@ -162,11 +162,7 @@ _RL_POLICY_OPTIONS = {
 @register_loss("rl_policy", inputs=("advantages",), options=_RL_POLICY_OPTIONS,
                needs_entropy=lambda config: bool(config["entropy_coeff"]))
 def rl_policy(logprobs, inputs, config, entropy):
-    token_losses = POLICY_TOKEN_LOSSES.get(config["policy_loss"])
-    if token_losses is None:
-        raise ValueError(
-            f"policy loss {config['policy_loss']!r} has no per-token form; built-in: {', '.join(POLICY_TOKEN_LOSSES)}"
-        )
+    token_losses = policy_token_losses(config["policy_loss"])  # any registered one (config validation's names)
     mask = inputs["response_mask"]  # GSPO's sequence ratio averages over the model tokens
     old = inputs["old_logprobs"] if "old_logprobs" in inputs else logprobs.detach()  # on-policy: ratio 1
     losses, stats, _ = token_losses(

@@ -18,7 +18,6 @@ import torch
 
 from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.backend.lora import LoraSettings
-from opentinker.engine.backend.losses import resolve_loss, weighted_loss
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
 
@@ -88,17 +87,10 @@ class TinkerModelWorker:
         """Per datum ``logprobs`` and ``elementwise_loss`` (length N each) and the metrics;
         ``forward_only`` leaves the gradients as they are."""
         batch = token_batch(data, self.vocab_size, self.context)
-        ours = dict(loss_config)
-        if forward_only:
-            spec, config = resolve_loss(loss_fn, ours)
-            logprobs = self.backend.forward(batch).logprobs
-            with torch.no_grad():
-                out = weighted_loss(spec, config, logprobs, None, batch, torch.device("cpu"))
-            elementwise, metrics = out.elementwise, out.metrics
-        else:
-            result = self.backend.forward_backward(batch, loss_fn, ours)
-            logprobs, elementwise, metrics = result.logprobs, result.elementwise_loss, result.metrics
-        return {"outputs": per_datum(batch, logprobs=logprobs, elementwise_loss=elementwise), "metrics": metrics}
+        primitive = self.backend.forward_loss if forward_only else self.backend.forward_backward
+        result = primitive(batch, loss_fn, dict(loss_config))
+        outputs = per_datum(batch, logprobs=result.logprobs, elementwise_loss=result.elementwise_loss)
+        return {"outputs": outputs, "metrics": result.metrics}
 
     def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
         return tinker_step_metrics(self.backend.optim_step(adam_params(adam)))

@@ -93,7 +93,7 @@ def test_register_new_estimator_and_conflicts():
 def test_register_new_policy_loss():
     name = "test_only_zero_loss"
     try:
-        register_policy_loss(name)(lambda *a, **k: (torch.zeros(()), {}))
+        register_policy_loss(name)(lambda old, logprob, adv, mask, **k: (torch.zeros_like(logprob), {}, mask))
         assert name in POLICY_LOSSES
         with pytest.raises(ValueError, match="already registered"):
             register_policy_loss(name)(lambda *a, **k: None)

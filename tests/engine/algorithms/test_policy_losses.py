@@ -120,3 +120,35 @@ def test_gradient_flows_into_logprob_only(name):
     assert old.grad is None and advantages.grad is None
     for before, after in zip(inputs_before, (old, logprob, advantages, mask)):
         assert torch.equal(before, after.detach())
+
+
+def test_a_registered_policy_loss_is_a_valid_config_value_and_trains_through_the_backend_loss():
+    from opentinker.config import CHOICES, make_config
+    from opentinker.engine.algorithms import policy_losses as module
+    from opentinker.engine.algorithms import register_policy_loss
+    from opentinker.engine.backend.losses import resolve_loss, weighted_loss
+    from opentinker.engine.batch import TokenBatch
+
+    name = "test_only_reinforce"
+
+    @register_policy_loss(name)
+    def reinforce(old_logprob, logprob, advantages, response_mask, **_):
+        mask = response_mask.to(logprob.dtype)
+        return -advantages * logprob, {"pg_clipfrac": torch.zeros_like(mask)}, mask
+
+    try:
+        assert make_config([f"actor_rollout_ref.actor.policy_loss={name}"]).actor_rollout_ref.actor.policy_loss == name
+        batch = TokenBatch.from_responses([[1], [2]], [[3, 4, 5], [6, 7]])
+        batch.tensors["advantages"] = batch.pad_response_values([[1.0, 1.0, 1.0], [-2.0, -2.0]])
+        logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]], requires_grad=True)
+        spec, config = resolve_loss("rl_policy", {"policy_loss": name})
+        out = weighted_loss(spec, config, logprobs, None, batch, torch.device("cpu"))
+        out.loss.backward()
+        assert out.metrics["loss:sum"] == pytest.approx(6.0 - 1.5)  # -(1 x -6) - (-2 x -0.75)
+        assert logprobs.grad.tolist() == [[-1.0, -1.0, -1.0], [2.0, 2.0, 0.0]]
+        aggregated, _ = get_policy_loss(name)(logprobs.detach(), logprobs.detach(), batch.tensors["advantages"],
+                                              batch.response_mask)
+        assert float(aggregated) == pytest.approx(4.5 / 5)  # token-mean over the 5 model tokens
+    finally:
+        module._REGISTRY._functions.pop(name, None)
+        CHOICES["actor_rollout_ref.actor.policy_loss"].remove(name)
