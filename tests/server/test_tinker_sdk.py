@@ -372,3 +372,21 @@ def test_a_model_without_lora_config_is_fully_fine_tuned(server, keys):
         finally:
             assert raw.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}}).status_code == 204
         assert raw.post("/session_heartbeat", json={"session_id": session_id}).status_code == 410
+
+
+def test_the_sdk_sends_forward_backward_bodies_zstd_compressed(session, monkeypatch):
+    from opentinker.server.tinker import routes
+
+    encodings = []
+    decompress = routes._decompressed
+
+    def spy(request, body):
+        encodings.append(request.headers.get("content-encoding"))
+        return decompress(request, body)
+
+    monkeypatch.setattr(routes, "_decompressed", spy)
+    tc = session().lora()
+    before = tc.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    tc.forward_backward([datum()] * 3, "cross_entropy").result()
+    assert encodings == ["zstd", "zstd"]  # the server's client_config turned proto_compress_fwdbwd on
+    assert len(before) == len(TOKENS) - 1

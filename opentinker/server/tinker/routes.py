@@ -174,7 +174,8 @@ async def healthz() -> dict[str, str]:
 
 @router.post("/client/config")
 async def client_config(user: User = Depends(tinker_user)) -> dict[str, Any]:
-    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
+    # proto_compress_fwdbwd: forward_backward bodies come zstd-compressed (benchmarks/wire_compression.py).
+    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True, "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False, "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True,
             "fwdbwd_max_chunk_len": wire.MAX_DATUMS}
 
@@ -348,8 +349,9 @@ async def forward_backward(request: Request, user: User = Depends(tinker_user),
     """Protobuf ``ForwardBackwardRequest`` in (zstd accepted); the future's result is a
     protobuf ``ForwardBackwardOutput``. ``forward_only`` leaves the gradients alone. Each
     datum must fit the model's context (its input tokens plus the last target)."""
-    body = _decompressed(request, await request.body())
-    try:  # off the event loop: a full chunk of 1024 datums takes a while to read
+    # Off the event loop: a full chunk of 1024 datums takes a while to decompress and read.
+    body = await run_in_threadpool(_decompressed, request, await request.body())
+    try:
         message = await run_in_threadpool(wire.parse_forward_backward, body)
     except wire.WireError as error:
         raise _user_error(str(error)) from None
