@@ -1,0 +1,253 @@
+"""Many LoRA models on one server: memory per model, throughput and fairness as K grows.
+
+    python benchmarks/multi_tenant.py [--ks 1,2,4,8] [--seconds 20] [--rank 8]
+                                      [--compare-with 13349a7 | none]
+
+For each K, a fresh ``opentinker-server serve`` (its own local Ray, the embedded tiny model,
+a fresh data folder) and K users, each with one official ``tinker`` SDK client in a thread of
+a child process, each training its own LoRA model (rank ``--rank``, seed = its index): a
+warm-up step, then ``forward_backward`` + ``optim_step`` back to back for ``--seconds``
+(each step waits for both results). Printed per K:
+
+- the server's total RSS (the server process and every process under it: Ray and the model
+  workers) before any model, and with the K models trained; the RSS each model added (the
+  difference over K; from K=2 on also the marginal cost against the K=1 run);
+- aggregate steps/s, each client's p50 / p99 step latency (worst client shown), and the
+  fairness ratio most / least steps per client.
+
+``--compare-with REF`` runs the same on another commit of this repository (a temporary git
+worktree; by default the last commit with one worker actor per model), side by side. Only
+relative numbers of one run mean anything: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "opentinker-tiny-arith"
+BEFORE_MULTI_TENANT = "13349a7"  # the last commit where every Tinker model had a worker of its own
+
+
+def _cli(code: Path, data: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "opentinker.server.cli", *args, "--data-dir", str(data)],
+                          capture_output=True, text=True, timeout=120, check=True, env=_env(code))
+    return done.stdout
+
+
+def _env(code: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(code), "TINKER_TELEMETRY": "0"}
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and every process under it (Ray's too), bytes."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def client_worker(url: str, keys: list[str], rank: int, seconds: float) -> dict:
+    """The child process: one SDK client per key in its own thread."""
+    import tinker
+    from tinker import types
+
+    made = threading.Barrier(len(keys) + 1)
+    go = threading.Event()
+    results: list[dict] = [{} for _ in keys]
+    stop_at = [float("inf")]
+
+    def user(index: int) -> None:
+        tokens = [1 + (index * 7 + j * 13) % 900 for j in range(48)]
+        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+                for _ in range(4)]
+        service = tinker.ServiceClient(base_url=url, api_key="tml-" + keys[index])
+        training = service.create_lora_training_client(base_model=TINY, rank=rank, seed=index).result()
+        adam = types.AdamParams(learning_rate=1e-4)
+        training.forward_backward(data, "cross_entropy").result()  # warm-up
+        training.optim_step(adam).result()
+        made.wait(600)
+        go.wait()
+        latencies = []
+        while time.monotonic() < stop_at[0]:
+            start = time.perf_counter()
+            fb = training.forward_backward(data, "cross_entropy")
+            step = training.optim_step(adam)
+            fb.result()
+            step.result()
+            latencies.append(time.perf_counter() - start)
+        made.wait(600)  # everyone stops before anyone leaves (their models count in the RSS)
+        results[index] = {"latencies": latencies}
+        made.wait(600)
+        service.close("success").result()
+
+    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(len(keys))]
+    for thread in threads:
+        thread.start()
+    made.wait(600)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent measured the RSS with the models made
+    stop_at[0] = time.monotonic() + seconds
+    go.set()
+    made.wait(seconds + 600)
+    print("stopped", flush=True)
+    sys.stdin.readline()  # the parent measured the RSS after training
+    made.wait(600)
+    for thread in threads:
+        thread.join(120)
+    return {"clients": results}
+
+
+def run_k(code: Path, k: int, rank: int, seconds: float) -> dict:
+    data = Path(tempfile.mkdtemp(prefix="opentinker-mt-"))
+    keys = []
+    for i in range(k):
+        _cli(code, data, "admin", "create-user", f"user{i}")
+        keys.append(_cli(code, data, "admin", "create-key", f"user{i}").strip().splitlines()[-1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(data / "server.log", "w")  # noqa: SIM115 - lives as long as the server
+    server = subprocess.Popen(
+        [sys.executable, "-m", "opentinker.server.cli", "serve", "--port", str(port), "--data-dir", str(data),
+         "--log-level", "warning", "--tinker-max-models", str(max(8, k))],
+        stdout=log, stderr=subprocess.STDOUT, env=_env(code), cwd=code)
+    child = None
+    try:
+        _wait_healthy(url, server, data)
+        time.sleep(3)  # Ray's own processes settle
+        idle = tree_rss(server.pid)
+        child = subprocess.Popen([sys.executable, __file__, "--client-worker", url, ",".join(keys), str(rank),
+                                  str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=_env(ROOT))
+        _expect(child, "ready")
+        made = tree_rss(server.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        _expect(child, "stopped")
+        trained = tree_rss(server.pid)
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=300)
+        result = json.loads(out.strip().splitlines()[-1])
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(data, ignore_errors=True)
+    latencies = [c["latencies"] for c in result["clients"]]
+    steps = [len(lat) for lat in latencies]
+    return {"k": k, "idle_rss": idle, "made_rss": made, "trained_rss": trained, "steps": steps,
+            "steps_per_s": sum(steps) / seconds,
+            "p50": [statistics.median(lat) for lat in latencies],
+            "p99": [sorted(lat)[min(len(lat) - 1, int(0.99 * len(lat)))] for lat in latencies],
+            "fairness": max(steps) / max(1, min(steps))}
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, data: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited: {(data / 'server.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/v1/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not answer /v1/health within 180 s")
+
+
+def _expect(child: subprocess.Popen, word: str) -> None:
+    while True:
+        line = child.stdout.readline()
+        if not line:
+            raise SystemExit(f"the client process ended before saying {word!r}")
+        if line.strip() == word:
+            return
+
+
+def show(label: str, rows: list[dict]) -> None:
+    mib = 2**20
+    one = next((r for r in rows if r["k"] == 1), None)
+    print(f"\n{label}")
+    print("   K  idle RSS  trained RSS  per model  marginal  steps/s  p50 (worst)  p99 (worst)  fairness")
+    for r in rows:
+        per_model = (r["trained_rss"] - r["idle_rss"]) / r["k"] / mib
+        marginal = "" if one is None or r["k"] == 1 else \
+            f"{(r['trained_rss'] - one['trained_rss']) / (r['k'] - 1) / mib:7.1f}M"
+        print(f"  {r['k']:>2}  {r['idle_rss'] / mib:7.0f}M  {r['trained_rss'] / mib:10.0f}M  {per_model:8.1f}M  "
+              f"{marginal:>8}  {r['steps_per_s']:7.2f}  {max(r['p50']) * 1000:8.0f} ms  "
+              f"{max(r['p99']) * 1000:8.0f} ms  {r['fairness']:8.2f}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ks", default="1,2,4,8")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--compare-with", default=BEFORE_MULTI_TENANT, help="a git ref, or none")
+    parser.add_argument("--client-worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client_worker:
+        url, keys, rank, seconds = args.client_worker
+        print(json.dumps(client_worker(url, keys.split(","), int(rank), float(seconds))), flush=True)
+        return 0
+    ks = [int(k) for k in args.ks.split(",")]
+    print(f"[multi_tenant] K = {ks}, {args.seconds:g} s each, LoRA rank {args.rank}, tiny model on "
+          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}", flush=True)
+    sides = [("this tree (shared base worker)", ROOT)]
+    worktree = None
+    if args.compare_with != "none":
+        worktree = Path(tempfile.mkdtemp(prefix="opentinker-before-"))
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.compare_with],
+                       check=True, capture_output=True)
+        sides.append((f"{args.compare_with} (one worker per model)", worktree))
+    results: dict[str, list[dict]] = {label: [] for label, _ in sides}
+    try:
+        for k in ks:  # the two sides alternate, K by K, so both see the same machine
+            for label, code in sides:
+                print(f"[multi_tenant] K={k}: {label}", flush=True)
+                results[label].append(run_k(code, k, args.rank, args.seconds))
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)],
+                           capture_output=True)
+    for label, rows in results.items():
+        show(label, rows)
+    if len(sides) == 2:
+        ours, theirs = results[sides[0][0]], results[sides[1][0]]
+        print("\nratios (this tree / before), by K: steps/s, RSS added per model")
+        for a, b in zip(ours, theirs):
+            added = (a["trained_rss"] - a["idle_rss"]) / max(1, b["trained_rss"] - b["idle_rss"])
+            print(f"  K={a['k']}: x{a['steps_per_s'] / b['steps_per_s']:.2f} steps/s, x{added:.3f} memory")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
