@@ -33,7 +33,7 @@ from opentinker.server.routers import checkpoints, completions, env, events, hea
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
 from opentinker.server.tinker import routes as tinker_routes
-from opentinker.server.tinker.service import TinkerService
+from opentinker.server.tinker.service import TinkerService, tinker_settings
 from opentinker.server.validation import Tokenizers
 
 log = logging.getLogger("opentinker.server")
@@ -73,7 +73,8 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.state.serving = ModelServing(store, manager, settings)
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
         app.state.env_checks_by_user = set()  # users with a check running: one each
-        app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy, settings.tinker_settings())
+        app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy,
+                                          tinker_settings(settings))
         await app.state.tinker.start()
         for job_id in interrupted:  # those with a checkpoint continue from it
             if await manager.resume(job_id, "resuming from its last checkpoint after a server restart"):

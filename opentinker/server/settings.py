@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,34 +140,3 @@ class ServerSettings:
 
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
-
-    def sampler_limits(self) -> dict[str, int]:
-        """The Tinker sampler's caps (``SchedulerLimits``): one forward pass's; two passes' worth
-        of sequences started and not finished per user, and eight passes' worth for everyone."""
-        rows, tokens = self.tinker_sampler_max_rows, self.tinker_sampler_max_tokens
-        return {"max_rows": rows, "max_batch_tokens": tokens, "max_user_tokens": 2 * tokens,
-                "max_live_rows": 8 * rows, "max_live_tokens": 8 * tokens}
-
-    def tinker_memory_bytes(self) -> int:
-        """The Tinker models' memory budget: ``tinker_memory_gb``, else half of this machine's RAM."""
-        if self.tinker_memory_gb is not None:
-            return int(self.tinker_memory_gb * 2**30)
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-    def tinker_settings(self):
-        from opentinker.server.tinker.host import HostSettings
-        from opentinker.server.tinker.service import TinkerSettings
-
-        return TinkerSettings(
-            session_timeout_s=self.tinker_session_timeout_s, long_poll_s=self.tinker_long_poll_s,
-            keep_ephemeral=self.tinker_keep_ephemeral, max_models_per_user=self.tinker_max_models_per_user,
-            max_models=self.tinker_max_models, memory_budget_bytes=self.tinker_memory_bytes(),
-            max_sessions_per_user=self.tinker_max_sessions_per_user,
-            max_queued_per_model=self.tinker_max_queued_requests,
-            max_queued_per_user=self.tinker_max_queued_requests_per_user,
-            max_pending_sample_tokens=self.tinker_max_pending_sample_tokens,
-            host=HostSettings(strategy=self.tinker_strategy, ranks=self.tinker_ranks,
-                              max_resident_adapters=self.tinker_max_resident_adapters,
-                              offload_dir=str(self.data_dir / "tinker" / "offload"),
-                              sampler_limits=self.sampler_limits()),
-        )

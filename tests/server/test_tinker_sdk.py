@@ -375,7 +375,7 @@ def test_a_model_without_lora_config_is_fully_fine_tuned(server, keys):
 
 
 def test_the_sdk_sends_forward_backward_bodies_zstd_compressed(session, monkeypatch):
-    from opentinker.server.tinker import routes
+    from opentinker.server.tinker.routes import training as routes
 
     encodings = []
     decompress = routes._decompressed

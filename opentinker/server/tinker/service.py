@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opentinker.server.policy import JobPolicy, ServedModel
+from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
 from opentinker.server.tinker.futures import FutureTable
 from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
@@ -222,3 +224,34 @@ class TinkerService:
             except Exception:  # housekeeping must outlive one bad pass
                 log.exception("tinker housekeeping failed")
 
+
+def tinker_settings(settings: ServerSettings) -> TinkerSettings:
+    """The Tinker API's settings from the operator's (``--tinker-*`` flags)."""
+    return TinkerSettings(
+        session_timeout_s=settings.tinker_session_timeout_s, long_poll_s=settings.tinker_long_poll_s,
+        keep_ephemeral=settings.tinker_keep_ephemeral, max_models_per_user=settings.tinker_max_models_per_user,
+        max_models=settings.tinker_max_models, memory_budget_bytes=_memory_budget(settings),
+        max_sessions_per_user=settings.tinker_max_sessions_per_user,
+        max_queued_per_model=settings.tinker_max_queued_requests,
+        max_queued_per_user=settings.tinker_max_queued_requests_per_user,
+        max_pending_sample_tokens=settings.tinker_max_pending_sample_tokens,
+        host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
+                          max_resident_adapters=settings.tinker_max_resident_adapters,
+                          offload_dir=str(settings.data_dir / "tinker" / "offload"),
+                          sampler_limits=sampler_limits(settings)),
+    )
+
+
+def sampler_limits(settings: ServerSettings) -> dict[str, int]:
+    """The sampler's caps (``SchedulerLimits``): one forward pass's; two passes' worth of
+    sequences started and not finished per user, and eight passes' worth for everyone."""
+    rows, tokens = settings.tinker_sampler_max_rows, settings.tinker_sampler_max_tokens
+    return {"max_rows": rows, "max_batch_tokens": tokens, "max_user_tokens": 2 * tokens,
+            "max_live_rows": 8 * rows, "max_live_tokens": 8 * tokens}
+
+
+def _memory_budget(settings: ServerSettings) -> int:
+    """The Tinker models' memory budget: ``tinker_memory_gb``, else half of this machine's RAM."""
+    if settings.tinker_memory_gb is not None:
+        return int(settings.tinker_memory_gb * 2**30)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2

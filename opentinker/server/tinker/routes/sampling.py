@@ -1,0 +1,152 @@
+"""Sampling: sampling sessions and ``asample`` (run in the background; the result is a future)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import Depends, Path
+
+from opentinker.server.errors import ApiError, not_found
+from opentinker.server.store import User
+from opentinker.server.tinker import schemas, wire
+from opentinker.server.tinker.openapi import errors
+from opentinker.engine.tinker import DEFAULT_MAX_TOKENS
+from opentinker.server.tinker.futures import PROTOBUF
+from opentinker.server.tinker.host import UserError, await_ref
+from opentinker.server.tinker.sample_budget import OverBudget
+from opentinker.server.tinker.service import TinkerService
+from opentinker.server.tinker.state import SamplerRow
+from opentinker.server.tinker.routes.common import (
+    active_session,
+    owned_checkpoint,
+    service,
+    tinker_router,
+    tinker_user,
+    user_error,
+)
+
+router = tinker_router()
+
+
+def _sampler_source(svc: TinkerService, user: User, base_model: str | None, model_path: str | None) -> tuple[str, str | None]:
+    """``(base model name, tinker path or None)`` of what a sampler samples from."""
+    if (base_model is None) == (model_path is None):
+        raise user_error("give exactly one of base_model and model_path")
+    if model_path is not None:
+        checkpoint = owned_checkpoint(svc, model_path, user, "sampler_weights")
+        source = svc.state.model(checkpoint.run_id, user.id)
+        return source.base_model, model_path
+    try:
+        return svc.served_model(base_model).name, None
+    except UserError as error:
+        raise user_error(str(error)) from None
+
+
+@router.post("/create_sampling_session", responses=errors(400, 404))
+async def create_sampling_session(body: schemas.CreateSamplingSession, user: User = Depends(tinker_user),
+                                  svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    active_session(svc, body.session_id, user)
+    base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path)
+    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    svc.state.add_sampler(SamplerRow(sampler_id, user.id, body.session_id, base_model, model_path))
+    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+
+@router.get("/samplers/{sampler_id}", responses=errors(404))
+async def get_sampler(sampler_id: str = Path(max_length=256), user: User = Depends(tinker_user),
+                      svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    sampler = svc.state.sampler(sampler_id, user.id)
+    if sampler is None:
+        raise not_found(f"sampler {sampler_id!r}")
+    return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+
+def _refuse_sample_options(body: schemas.SampleRequest) -> None:
+    refused = {
+        "topk_sample_logprobs": body.topk_sample_logprobs > 0,
+        "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
+        "target_prompt_logprobs": body.target_prompt_logprobs is not None,
+        "record_stability_info (for loss 'stable_reinforce', which this server does not support; use loss_fn="
+        "importance_sampling, ppo or cispo)": body.record_stability_info,
+    }
+    named = [name for name, asked in refused.items() if asked]
+    if named:
+        raise user_error(f"asample: not supported by this server: {', '.join(named)}")
+    chunks = [chunk for chunk in body.prompt.chunks if not isinstance(chunk, schemas.EncodedText)]
+    if chunks:
+        raise user_error(f"asample: prompt chunks of type {chunks[0].type!r} are not supported (token chunks only)")
+
+
+def _engine_params(params: schemas.SamplingParams) -> dict[str, Any]:
+    """Tinker's sampling params as the rollout engine's: ``stop`` None keeps end-of-sequence
+    stopping, ``[]`` turns every stop off, strings and token ids are both stops."""
+    stop = params.stop
+    fields: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                              "max_tokens": params.max_tokens, "seed": params.seed}
+    if isinstance(stop, str):
+        fields["stop"] = (stop,)
+    elif stop == []:
+        fields["ignore_eos"] = True
+    elif stop and isinstance(stop[0], str):
+        fields["stop"] = tuple(stop)
+    elif stop:
+        fields["stop_token_ids"] = tuple(int(token) for token in stop)
+    return fields
+
+
+@router.post("/asample", responses=errors(400, 404, 429))
+async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user),
+                  svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    _refuse_sample_options(body)
+    if body.sampling_session_id is not None:
+        sampler = svc.state.sampler(body.sampling_session_id, user.id)
+        if sampler is None:
+            raise not_found(f"sampler {body.sampling_session_id!r}")
+        base_model, model_path = sampler.base_model, sampler.model_path
+    else:
+        base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path)
+    snapshot = owned_checkpoint(svc, model_path, user, "sampler_weights").folder if model_path else ""
+    prompt = [token for chunk in body.prompt.chunks for token in chunk.tokens]
+    if not prompt or min(prompt) < 0:
+        raise user_error("asample: the prompt needs at least one token, and token ids are not negative")
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and not (body.prompt_logprobs and last_n <= len(prompt) - 1):
+        raise user_error("prompt_logprobs_last_n needs prompt_logprobs and must be at most len(prompt) - 1")
+    if svc.futures.pending_count(user.id, "Sample") >= svc.settings.max_pending_samples:
+        raise ApiError(429, f"over {svc.settings.max_pending_samples} samples waiting; back off and resubmit",
+                       headers={"Retry-After": "1"})
+    served = svc.served_model(base_model)
+    params = _engine_params(body.sampling_params)
+    # What the call may generate at most (no max_tokens: the sampler's default, its upper bound).
+    cost = body.num_samples * (params["max_tokens"] or DEFAULT_MAX_TOKENS)
+    try:
+        svc.sample_budget.reserve(user.id, cost)
+    except OverBudget as error:
+        if error.retry:
+            raise ApiError(429, str(error), headers={"Retry-After": "1"}) from None
+        raise user_error(str(error)) from None
+    request_id = uuid.uuid4().hex
+    ids = [f"{request_id}:{index}" for index in range(body.num_samples)]
+    row = svc.futures.add(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id)
+    call = {"snapshot": snapshot, "prompt": prompt, "params": params, "user": user.id,
+            "num_samples": body.num_samples, "prompt_logprobs": bool(body.prompt_logprobs),
+            "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n}
+    svc.spawn(_sample(svc, served, call, request_id, cost))
+    return row.submit_answer()
+
+
+async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str, cost: int) -> None:
+    from opentinker.server.tinker.host import failure
+
+    try:
+        actor = await svc.host.sampler(served.name, served.path, served.trust_remote_code)
+        result = await await_ref(actor.sample.remote(call))
+    except Exception as error:
+        svc.futures.fail(request_id, *failure(error))
+        return
+    finally:
+        svc.sample_budget.release(call["user"], cost)
+    sequences = [wire.SampledSequence(tokens, logprobs, reason) for tokens, logprobs, reason in result["sequences"]]
+    svc.futures.resolve(request_id, wire.encode_sample_response(
+        sequences, result.get("prompt_logprobs"), result.get("topk_prompt")), PROTOBUF)

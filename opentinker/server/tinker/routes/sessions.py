@@ -1,0 +1,108 @@
+"""Sessions and the SDK's bootstrap: health, client config, capabilities, session
+start / heartbeat / finish, and listing a user's sessions."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from fastapi import Depends, Path, Query, Response
+from fastapi.responses import JSONResponse
+
+from opentinker.protocol import MAX_INT
+from opentinker.server.errors import not_found
+from opentinker.server.store import User
+from opentinker.server.tinker import schemas, wire
+from opentinker.server.tinker.openapi import errors
+from opentinker.server.tinker.service import TinkerService
+from opentinker.server.tinker.routes.common import (
+    service,
+    tinker_router,
+    tinker_user,
+    user_error,
+)
+
+router = tinker_router()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+async def client_config(user: User = Depends(tinker_user)) -> dict[str, Any]:
+    # proto_compress_fwdbwd: forward_backward bodies come zstd-compressed (benchmarks/wire_compression.py).
+    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True, "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False, "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True,
+            "fwdbwd_max_chunk_len": wire.MAX_DATUMS}
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config(user: User = Depends(tinker_user)) -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/create_session", responses=errors(400))
+async def create_session(body: schemas.CreateSession, user: User = Depends(tinker_user),
+                         svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    # 400, not 429: only the user can end their sessions, so a retry would just wait and fail.
+    limit = svc.settings.max_sessions_per_user
+    if svc.state.active_sessions(user.id) >= limit:
+        raise user_error(f"you have {limit} active sessions, the most this server allows per user "
+                          "(--tinker-max-sessions); close a ServiceClient (close(), or use it in a with block) "
+                          f"first; a session without heartbeats ends after {svc.settings.session_timeout_s:.0f} s")
+    session_id = uuid.uuid4().hex
+    svc.state.create_session(session_id, user.id, body.tags, body.user_metadata or {})
+    return {"session_id": session_id}
+
+
+@router.post("/session_heartbeat", responses=errors(404, 410))
+async def session_heartbeat(body: schemas.SessionRef, user: User = Depends(tinker_user),
+                            svc: TinkerService = Depends(service)) -> Response:
+    state = svc.state.session_state(body.session_id, user.id)
+    if state is None:
+        raise not_found(f"session {body.session_id!r}")
+    if state != "active":  # 410 stops the SDK's heartbeat loop
+        return JSONResponse({"error": f"session {body.session_id!r} is {state}"}, status_code=410)
+    svc.state.touch_session(body.session_id)
+    return JSONResponse({"type": "session_heartbeat"})
+
+
+@router.post("/sessions/{session_id}/finish", status_code=204, responses=errors(404))
+async def finish_session(body: schemas.FinishSession, session_id: str = Path(max_length=256),
+                         user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> Response:
+    if svc.state.session_state(session_id, user.id) is None:
+        raise not_found(f"session {session_id!r}")
+    await svc.end_session(session_id, "finished")
+    return Response(status_code=204)
+
+
+@router.post("/telemetry")
+async def telemetry(user: User = Depends(tinker_user)) -> dict[str, str]:
+    return {"status": "accepted"}  # accepted and dropped: nothing is collected
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(user: User = Depends(tinker_user), svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    return {"supported_models": [{"model_name": m.name, "trainable": True, "sampleable": True}
+                                 for m in svc.policy.models]}
+
+
+@router.get("/sessions")
+async def list_sessions(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_INT),
+                        access_scope: Literal["owned", "accessible"] = "owned", user: User = Depends(tinker_user),
+                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """``RestClient.list_sessions(limit, offset)``: a page of your session ids, newest first
+    (``accessible`` is the same as ``owned`` here: nothing is shared)."""
+    sessions, total = svc.state.sessions(user.id, limit, offset)
+    return {"sessions": sessions, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+@router.get("/sessions/{session_id}", responses=errors(404))
+async def get_session(session_id: str = Path(max_length=256), user: User = Depends(tinker_user),
+                      svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    if svc.state.session_state(session_id, user.id) is None:
+        raise not_found(f"session {session_id!r}")
+    return {"training_run_ids": svc.state.session_models(session_id),
+            "sampler_ids": svc.state.session_samplers(session_id)}

@@ -1,0 +1,299 @@
+"""Training clients: create (or load from a checkpoint), info, unload, forward_backward,
+optim_step, save_weights, save_weights_for_sampler, load_weights."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from opentinker.server.errors import ApiError, not_found
+from opentinker.server.store import User
+from opentinker.server.tinker import openapi, schemas, wire
+from opentinker.server.tinker.openapi import errors
+from opentinker.server.tinker.futures import JSON, PROTOBUF
+from opentinker.server.tinker.host import UserError
+from opentinker.server.tinker.service import ServerFull, TinkerService
+from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow
+from opentinker.server.tinker.routes.common import (
+    active_session,
+    owned_checkpoint,
+    refuse_seq,
+    service,
+    submit,
+    tinker_router,
+    tinker_user,
+    usable_model,
+    user_error,
+)
+
+router = tinker_router()
+
+
+def _worker_spec(svc: TinkerService, model: Any, lora: dict[str, Any]):
+    from opentinker.engine.tinker.model_worker import ModelSpec
+
+    host = svc.settings.host
+    return ModelSpec(model_path=model.path, lora_rank=int(lora.get("lora_rank", 0)), seed=int(lora.get("seed", 0)),
+                     train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
+                     trust_remote_code=model.trust_remote_code, strategy=host.strategy, device=host.device,
+                     ranks=host.ranks)
+
+
+def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: int, base_model: str,
+                 spec: dict[str, Any], metadata: dict[str, str] | None, kind: str,
+                 load: tuple[str, bool] | None = None, load_path: str | None = None) -> dict[str, Any]:
+    model_id = f"{session_id}:train:{model_seq_id}"
+    existing = svc.state.model(model_id)
+    if existing is not None:  # a re-sent create: its first future (seq 0 stands for the create)
+        if existing.user_id != user.id:
+            raise not_found(f"session {session_id!r}")
+        row, _ = svc.futures.create(user.id, kind, model_id, 0)
+        return row.submit_answer()
+    if svc.live_models(user.id) >= svc.settings.max_models_per_user:
+        raise user_error(f"you have {svc.settings.max_models_per_user} live models, the most this server allows "
+                          "per user (--tinker-max-models-per-user); end a ServiceClient session (or unload a model) "
+                          "first")
+    served = svc.served_model(base_model)
+    try:
+        worker_spec = _worker_spec(svc, served, spec)
+        if spec.get("lora_rank"):
+            worker_spec.target_modules()
+    except ValueError as error:
+        raise user_error(str(error)) from None
+    try:  # server-wide: the live models and their estimated memory, whoever's
+        memory = svc.admit_model(served, worker_spec)
+    except ServerFull as error:
+        raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
+    svc.state.add_model(model_id, session_id, user.id, served.name, spec, metadata)
+    row = svc.futures.add(user.id, kind, model_id, 0)  # a new model: no future yet
+    answer = {"model_id": model_id} if load_path is None else {"model_id": model_id, "path": load_path}
+    svc.host.start_model(model_id, user.id, worker_spec, row.request_id, answer, load, memory)
+    return row.submit_answer()
+
+
+@router.post("/create_model", responses=errors(400, 404, 429))
+async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_user),
+                       svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    active_session(svc, body.session_id, user)
+    if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
+        raise user_error(f"optimizer_config.type {body.optimizer_config.type!r} is not supported; this server "
+                          "trains with 'adamw'")
+    lora = body.lora_config
+    spec = {"lora_rank": 0} if lora is None else {
+        "lora_rank": lora.rank, "seed": lora.seed or 0, "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
+        "train_unembed": lora.train_unembed}
+    spec["named_as"] = body.base_model  # get_info gives the client's own name back (the SDK's get_tokenizer)
+    try:
+        return _start_model(svc, user, body.session_id, body.model_seq_id, body.base_model, spec,
+                            body.user_metadata, "CreateModel")
+    except UserError as error:
+        raise user_error(str(error)) from None
+
+
+@router.post("/get_info", responses=errors(404))
+async def get_info(body: schemas.ModelRef, user: User = Depends(tinker_user),
+                   svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    model = svc.state.model(body.model_id, user.id)
+    if model is None:
+        raise not_found(f"model {body.model_id!r}")
+    # The name the client created it with (a served name, or the folder the cookbook loads its
+    # tokenizer from): the SDK's get_tokenizer() loads that; the server's own paths stay private.
+    name = model.spec.get("named_as", model.base_model)
+    return {"model_id": model.model_id, "type": "get_info", "model_data": {"model_name": name, "tokenizer_id": name},
+            "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None, "model_name": name}
+
+
+@router.post("/unload_model", responses=errors(404))
+async def unload_model(body: schemas.ModelRef, user: User = Depends(tinker_user),
+                       svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    if svc.state.model(body.model_id, user.id) is None:
+        raise not_found(f"model {body.model_id!r}")
+    await svc.host.unload(body.model_id)
+    return {"model_id": body.model_id, "type": "unload_model"}
+
+
+def _decompressed(request: Request, body: bytes) -> bytes:
+    encoding = request.headers.get("content-encoding", "").lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding != "zstd":
+        raise user_error(f"Content-Encoding {encoding!r} is not accepted (zstd or none)")
+    import zstandard
+
+    limit = request.app.state.settings.max_body_bytes
+    reader = zstandard.ZstdDecompressor().stream_reader(body)
+    try:
+        out = reader.read(limit + 1)
+    except zstandard.ZstdError as error:
+        raise user_error(f"the body is not valid zstd ({error})") from None
+    if len(out) > limit:
+        raise ApiError(413, f"the decompressed body is over {limit} bytes")
+    return out
+
+
+def _context(svc: TinkerService, model: ModelRow) -> int | None:
+    try:
+        return svc.context_length(model.base_model)
+    except UserError:  # no longer served (the operator's flags changed): the worker checks it
+        return None
+
+
+@router.post("/forward_backward", openapi_extra=openapi.binary_body(), responses=errors(400, 404, 429))
+async def forward_backward(request: Request, user: User = Depends(tinker_user),
+                           svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """Protobuf ``ForwardBackwardRequest`` in (zstd accepted); the future's result is a
+    protobuf ``ForwardBackwardOutput``. ``forward_only`` leaves the gradients alone. Each
+    datum must fit the model's context (its input tokens plus the last target)."""
+    # Off the event loop: a full chunk of 1024 datums takes a while to decompress and read.
+    body = await run_in_threadpool(_decompressed, request, await request.body())
+    try:
+        message = await run_in_threadpool(wire.parse_forward_backward, body)
+    except wire.WireError as error:
+        raise user_error(str(error)) from None
+    model = usable_model(svc, message.model_id, user)
+    try:
+        call = await run_in_threadpool(wire.decode_forward_backward, message, _context(svc, model))
+    except wire.WireError as error:
+        refuse_seq(svc, message.model_id, message.seq_id or None, user)
+        raise user_error(str(error)) from None
+    data = [(datum.tokens, datum.inputs) for datum in call.data]
+
+    async def run(handle):
+        out = await handle.forward_backward(data, call.loss_fn, call.loss_config, call.forward_only)
+        return wire.encode_forward_backward_output(out["outputs"], out["metrics"]), PROTOBUF
+
+    return submit(svc, user, call.model_id, call.seq_id, "Forward" if call.forward_only else "ForwardBackward", run)
+
+
+@router.post("/optim_step", responses=errors(400, 404, 429))
+async def optim_step(body: schemas.OptimStep, user: User = Depends(tinker_user),
+                     svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    usable_model(svc, body.model_id, user)
+    if body.adam_params is None:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        kind = (body.optimizer_params or {}).get("type", "none")
+        raise user_error(f"optim_step: only Adam is supported (adam_params); got optimizer {kind!r}")
+    adam = body.adam_params.model_dump()
+
+    async def run(handle):
+        return {"metrics": await handle.optim_step(adam), "type": "optim_step"}, JSON
+
+    return submit(svc, user, body.model_id, body.seq_id, "OptimStep", run)
+
+
+def _new_checkpoint_folder(svc: TinkerService, model: ModelRow, kind: str, name: str, overwrite: bool):
+    folder = svc.folder(model.model_id, kind, name)
+    if folder.exists() and not overwrite:
+        raise user_error(f"tinker://{model.model_id}/{kind}/{name} exists; pick another name or save with overwrite")
+    return folder
+
+
+@router.post("/save_weights", responses=errors(400, 404, 429))
+async def save_weights(body: schemas.SaveWeights, user: User = Depends(tinker_user),
+                       svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """``save_state``: weights (with LoRA, the adapters) and optimizer state, loadable with
+    ``create_training_client_from_state[_with_optimizer]``."""
+    model = usable_model(svc, body.model_id, user)
+    if body.path is None:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise user_error("save_weights: path (the checkpoint's name) is required")
+    try:
+        folder = _new_checkpoint_folder(svc, model, "weights", body.path, body.overwrite)
+    except ApiError:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise
+
+    async def run(handle):
+        await handle.save_state(str(folder))
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        row = _checkpoint_row(model, "weights", body.path, user, folder, size, body.ttl_seconds, body.user_metadata)
+        svc.state.add_checkpoint(row)
+        return {"path": row.tinker_path, "type": "save_weights"}, JSON
+
+    return submit(svc, user, body.model_id, body.seq_id, "SaveWeights", run)
+
+
+def _checkpoint_row(model: ModelRow, kind: str, name: str, user: User, folder, size: int | None,
+                    ttl_s: int | None = None, metadata: dict[str, str] | None = None,
+                    ephemeral: bool = False) -> CheckpointRow:
+    import time
+
+    now = time.time()
+    return CheckpointRow(model.model_id, kind, name, user.id, str(folder), size, ephemeral, metadata, now,
+                         None if ttl_s is None else now + ttl_s)
+
+
+@router.post("/save_weights_for_sampler", responses=errors(400, 404, 429))
+async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depends(tinker_user),
+                                   svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """Named (``path``): a ``tinker://…/sampler_weights/<name>`` to sample from later. Ephemeral
+    (``sampling_session_seq_id``): a sampling session on the current weights, at once."""
+    model = usable_model(svc, body.model_id, user)
+    ephemeral = body.path is None
+    if ephemeral and body.sampling_session_seq_id is None:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise user_error("save_weights_for_sampler: give path (a name) or sampling_session_seq_id")
+    name = body.path or f"ephemeral-{body.seq_id or uuid.uuid4().hex[:8]}-{uuid.uuid4().hex[:6]}"
+    try:
+        folder = _new_checkpoint_folder(svc, model, "sampler_weights", name, overwrite=ephemeral)
+    except ApiError:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise
+
+    async def run(handle):
+        size = await handle.save_sampler_weights(str(folder))
+        row = _checkpoint_row(model, "sampler_weights", name, user, folder, size, body.ttl_seconds,
+                              body.user_metadata, ephemeral)
+        svc.state.add_checkpoint(row)
+        if not ephemeral:
+            return {"path": row.tinker_path, "type": "save_weights_for_sampler"}, JSON
+        sampler_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+        svc.state.add_sampler(SamplerRow(sampler_id, user.id, model.session_id, model.base_model, row.tinker_path))
+        svc.collect_ephemeral(model.model_id)
+        return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}, JSON
+
+    return submit(svc, user, body.model_id, body.seq_id, "SaveWeightsForSampler", run)
+
+
+@router.post("/load_weights", responses=errors(400, 404, 429))
+async def load_weights(body: schemas.LoadWeights, user: User = Depends(tinker_user),
+                       svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """Create a model from a ``save_state`` checkpoint (``session_id`` + ``model_seq_id``),
+    with or without its optimizer state; or (legacy) load one into an existing model."""
+    if body.model_id is not None:
+        return _load_into(svc, body, user)
+    if body.session_id is None or body.model_seq_id is None:
+        raise user_error("load_weights: give session_id and model_seq_id (a new model) or model_id")
+    active_session(svc, body.session_id, user)
+    checkpoint = owned_checkpoint(svc, body.path, user, "weights")
+    source = svc.state.model(checkpoint.run_id, user.id)
+    if source is None:
+        raise not_found(f"checkpoint {body.path!r}")
+    try:
+        return _start_model(svc, user, body.session_id, body.model_seq_id, source.base_model, source.spec,
+                            body.user_metadata or source.metadata, "LoadWeights",
+                            load=(checkpoint.folder, body.optimizer), load_path=body.path)
+    except UserError as error:
+        raise user_error(str(error)) from None
+
+
+def _load_into(svc: TinkerService, body: schemas.LoadWeights, user: User) -> dict[str, Any]:
+    model = usable_model(svc, body.model_id, user)
+    try:
+        checkpoint = owned_checkpoint(svc, body.path, user, "weights")
+        source = svc.state.model(checkpoint.run_id, user.id)
+        if source is None or (source.base_model, source.lora_rank) != (model.base_model, model.lora_rank):
+            raise user_error(f"{body.path!r} was saved from a different model (base model or LoRA rank) than "
+                              f"{model.model_id!r}")
+    except ApiError:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise
+
+    async def run(handle):
+        await handle.load_state(checkpoint.folder, body.optimizer)
+        return {"path": body.path, "type": "load_weights"}, JSON
+
+    return submit(svc, user, model.model_id, body.seq_id, "LoadWeights", run)
