@@ -34,11 +34,11 @@ def batch_of(client: int, step: int) -> list[types.Datum]:
 PROBE = datum(list(range(10, 30)))
 
 
-def train(service, client: int, rank: int, bad_request: bool = False) -> dict:
+def train(service, client: int, rank: int, train_mlp: bool = True, bad_request: bool = False) -> dict:
     """One client's run: STEPS of forward_backward + optim_step (with ``bad_request``, a
     malformed forward_backward before each step), then a state checkpoint and a sampler
     snapshot; returns its losses, model id, paths and the probe's logprobs."""
-    tc = service.create_lora_training_client(base_model=TINY, rank=rank, seed=client).result()
+    tc = service.create_lora_training_client(base_model=TINY, rank=rank, seed=client, train_mlp=train_mlp).result()
     losses = []
     for step in range(STEPS):
         if bad_request:
@@ -74,7 +74,8 @@ def workers(server) -> dict[str, int]:
             "own workers": sum(isinstance(slot.actor, OwnWorker) for slot in host.live_models())}
 
 
-CLIENTS = [(0, 4), (1, 8), (2, 4), (3, 8)]  # (client, LoRA rank): two ranks, four models
+# (client, LoRA rank, adapted MLP too): two ranks, two sets of targets, four models.
+CLIENTS = [(0, 4, True), (1, 8, True), (2, 4, True), (3, 8, False)]
 
 
 def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, data_dir):
@@ -84,11 +85,12 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
         together = list(pool.map(lambda args: train(services[args[0]], *args, bad_request=args[0] == 1), CLIENTS))
     assert workers(server) == {"shared bases": 1, "adapters": 4, "own workers": 0}  # one base copy for all
 
-    # Four adapters sampled in one server: each snapshot is the adapter alone, and each model's
-    # samples carry that model's own logprobs.
+    # Four adapters sampled in one server, in turn: each snapshot is the adapter alone, and each
+    # model's samples carry that model's own logprobs (the last one adapts fewer layers than the
+    # one before: the sampler must have put the others back to the base).
     tiny_bytes = sum(f.stat().st_size for f in Path(_tiny_folder()).glob("*.safetensors"))
     prompt = PROBE.model_input.to_ints()[:5]
-    for (client, _), run in zip(CLIENTS, together):
+    for (client, _, _), run in zip(CLIENTS, together):
         folder = _folder(data_dir, run["sampler"])
         size = sum(f.stat().st_size for f in folder.iterdir())
         print(f"sampler snapshot of {run['model_id']}: {size} bytes (base weights {tiny_bytes} bytes)")
@@ -106,9 +108,9 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
         list(pool.map(lambda service: service.close("success").result(timeout=120), services))
     assert workers(server) == {"shared bases": 0, "adapters": 0, "own workers": 0}
 
-    for (client, rank), run in zip(CLIENTS, together):
+    for (client, rank, train_mlp), run in zip(CLIENTS, together):
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["alice"])
-        alone = train(service, client, rank, bad_request=client == 1)
+        alone = train(service, client, rank, train_mlp, bad_request=client == 1)
         np.testing.assert_allclose(alone["losses"], run["losses"], atol=1e-5)
         np.testing.assert_allclose(alone["probe"], run["probe"], atol=1e-5)
         mine, ours = checkpoint_weights(data_dir, alone["state"]), checkpoint_weights(data_dir, run["state"])
@@ -135,7 +137,7 @@ def _three_in_turn(server, key: str, after_first_round=lambda: None) -> dict[int
     """Three models trained in turn (one step of each, round after round); their losses."""
     service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
     clients = {c: service.create_lora_training_client(base_model=TINY, rank=rank, seed=c).result()
-               for c, rank in CLIENTS[:3]}
+               for c, rank, _ in CLIENTS[:3]}
     losses: dict[int, list[float]] = {c: [] for c in clients}
     for step in range(STEPS):
         for c, tc in clients.items():

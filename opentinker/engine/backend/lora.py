@@ -88,10 +88,10 @@ def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
     return {entry.name: merged_tensor(entry, state) for entry in merge_plan(peft_model)}
 
 
-def merged_with_adapter(base: Mapping[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor]:
-    """The base model's weights with a saved peft adapter (``adapter_config.json`` and
-    ``adapter_model.safetensors``) merged in: ``W + alpha / r * B @ A`` for each adapted layer,
-    the base tensor itself for the rest."""
+def adapter_merged_weights(base: Mapping[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor]:
+    """The adapted layers' weights with a saved peft adapter (``adapter_config.json`` and
+    ``adapter_model.safetensors``) merged in: ``W + alpha / r * B @ A`` for each adapted
+    layer, under the base model's names (only those: the rest of the model is the base)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -99,7 +99,7 @@ def merged_with_adapter(base: Mapping[str, torch.Tensor], folder: str | Path) ->
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
     tensors = load_file(folder / "adapter_model.safetensors")
-    merged = dict(base)
+    merged = {}
     for key, lora_a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue

@@ -2,7 +2,8 @@
 
 A request names the weights to sample from: the base model, or a sampler snapshot that a
 training client saved with ``save_weights_for_sampler``: a LoRA model's adapter alone (merged
-into the base weights when its turn comes) or a fully fine-tuned model's full weights. Each request's
+into its layers when its turn comes: a swap touches only the adapted layers) or a fully
+fine-tuned model's full weights. Each request's
 samples are rows of continuously batched decode loops (:mod:`.sample_scheduler`): they join a
 running batch at the next step, users are served in turn by the time their decoding took, and
 weights are swapped between steps when another snapshot's user is due (the rows of the one
@@ -22,7 +23,7 @@ import torch
 
 from opentinker.engine.rollout.base import SamplingParams
 from opentinker.engine.tinker import default_max_tokens
-from opentinker.engine.backend.lora import merged_with_adapter
+from opentinker.engine.backend.lora import adapter_merged_weights
 from opentinker.engine.tinker.adapter_worker import ADAPTER_CONFIG_FILE
 from opentinker.engine.tinker.model_worker import SAMPLER_WEIGHTS_FILE
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
@@ -49,6 +50,7 @@ class TinkerSampler:
         # served without reading the model folder again.
         self._base = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
         self.loaded = BASE
+        self._changed: set[str] = set()  # tensors whose live value is not the base's
         self.scheduler = SampleScheduler(self.engine, self._load, self._prompt_scores,
                                          SchedulerLimits(**(limits or {})))
         threading.Thread(target=self.scheduler.serve_forever, name="tinker-sampler", daemon=True).start()
@@ -101,16 +103,25 @@ class TinkerSampler:
         return result
 
     # -- on the scheduler's thread ------------------------------------------------------
+    @torch.no_grad()
     def _load(self, snapshot: str) -> None:
+        """The weights of ``snapshot`` into the model. A LoRA snapshot changes only its adapted
+        layers (and puts back the base values of layers the previous one changed), so a swap
+        between adapters costs the adapted weights, not a copy of the whole model."""
         if snapshot == self.loaded:
             return
-        if snapshot == BASE:
-            self.engine.update_weights(self._base)
-        elif (Path(snapshot) / ADAPTER_CONFIG_FILE).is_file():  # a LoRA model's: the adapter alone
-            self.engine.update_weights(merged_with_adapter(self._base, snapshot))
-        else:
+        if snapshot != BASE and not (Path(snapshot) / ADAPTER_CONFIG_FILE).is_file():  # full weights
             self.engine.update_weights(torch.load(Path(snapshot) / SAMPLER_WEIGHTS_FILE, map_location="cpu",
                                                    weights_only=True, mmap=True))
+            self._changed = set(self._base)
+        else:
+            target = {} if snapshot == BASE else adapter_merged_weights(self._base, snapshot)
+            live = self.engine.model.state_dict(keep_vars=True)
+            for name in self._changed - set(target):
+                live[name].copy_(self._base[name])
+            for name, value in target.items():
+                live[name].copy_(value)
+            self._changed = set(target)
         self.loaded = snapshot
 
     @torch.no_grad()
