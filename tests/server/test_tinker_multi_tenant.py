@@ -169,3 +169,22 @@ def test_with_one_resident_adapter_three_models_train_as_if_never_evicted(server
     resident = _three_in_turn(server, keys["alice"])
     for c in resident:
         np.testing.assert_allclose(evicted[c], resident[c], atol=1e-6, rtol=0)
+
+
+def test_when_the_shared_worker_dies_its_models_are_lost_and_a_new_model_gets_a_new_worker(server, keys):
+    import ray
+
+    service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["bob"])
+    first, second = (service.create_lora_training_client(base_model=TINY, rank=4, seed=s).result() for s in (1, 2))
+    first.forward_backward(batch_of(1, 0), "cross_entropy").result()
+    [base] = server.app.state.tinker.host.shared_bases()
+    ray.kill(base.actor, no_restart=True)
+    for lost in (first, second):
+        with pytest.raises(Exception, match="worker process died; load the model again from a checkpoint"):
+            lost.forward_backward(batch_of(1, 0), "cross_entropy").result()
+    again = service.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
+    assert again.forward_backward(batch_of(1, 0), "cross_entropy").result().metrics["loss:sum"] > 0
+    [new_base] = server.app.state.tinker.host.shared_bases()
+    assert new_base is not base
+    service.close("success").result()
+    assert server.app.state.tinker.host.shared_bases() == []

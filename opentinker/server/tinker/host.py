@@ -143,6 +143,7 @@ class SharedBase:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.started: asyncio.Future | None = None
+        self.dead_error: BaseException | None = None  # the worker died: every later request fails with this
         self.cycles = 0
 
     async def start(self, model_path: str | None, trust_remote_code: bool, settings: "HostSettings") -> None:
@@ -170,6 +171,9 @@ class SharedBase:
 
     def _enqueue(self, queue: list, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
+        if self.dead_error is not None:
+            future.set_exception(self.dead_error)
+            return future
         queue.append((item, future))
         self._wake.set()
         return future
@@ -185,6 +189,8 @@ class SharedBase:
                 try:
                     fb, done = await await_ref(self.actor.cycle.remote([c for c, _ in calls], [o for o, _ in ops]))
                 except Exception as error:  # the worker died (or a Ray failure): every request of the cycle
+                    if isinstance(error, RayActorError):  # its models are lost; a new LoRA model starts a new worker
+                        self.dead_error = error
                     for future in waiting:
                         if not future.done():
                             future.set_exception(error)
@@ -369,6 +375,11 @@ class TinkerHost:
         last model to leave stops it)."""
         key = self._base_key(worker_spec)
         base = self._bases.get(key)
+        if base is not None and base.dead_error is not None:  # its models learn it at their next request
+            self._base_memory[key] = base.memory_bytes
+            self._bases.pop(key)
+            asyncio.ensure_future(base.stop())
+            base = None
         if base is None:
             base = self._bases[key] = SharedBase(key, self._base_memory.pop(key, 0))
             base.started = asyncio.ensure_future(base.start(worker_spec.model_path, worker_spec.trust_remote_code,
