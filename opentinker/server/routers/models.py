@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from opentinker.protocol import ModelList, ServedModelInfo, TokenizerFiles
 from opentinker.server.auth import current_user
 from opentinker.server.deps import get_settings
-from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, not_found
+from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses, not_found
 from opentinker.server.settings import ServerSettings
 
 router = APIRouter(tags=["models"], dependencies=[Depends(current_user)], responses=AUTHENTICATED_ERRORS)
@@ -44,7 +44,7 @@ def _tokenizer_files(folder) -> dict[str, str]:
 
 
 @router.get("/models/{name:path}/tokenizer", response_model=TokenizerFiles,
-            summary="A served model's tokenizer files", responses={404: {"description": "not served here"}})
+            summary="A served model's tokenizer files", responses=error_responses(404))
 async def tokenizer(name: str = Path(max_length=512),
                     settings: ServerSettings = Depends(get_settings)) -> TokenizerFiles:
     from opentinker.server.tinker.model_facts import model_folder
