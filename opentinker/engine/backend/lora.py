@@ -9,10 +9,8 @@ alone is exported too (``adapter/``, loadable with ``peft``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -87,24 +85,3 @@ def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
     state = peft_model.get_base_model().state_dict()
     return {entry.name: merged_tensor(entry, state) for entry in merge_plan(peft_model)}
 
-
-def adapter_merged_weights(base: Mapping[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor]:
-    """The adapted layers' weights with a saved peft adapter (``adapter_config.json`` and
-    ``adapter_model.safetensors``) merged in: ``W + alpha / r * B @ A`` for each adapted
-    layer, under the base model's names (only those: the rest of the model is the base)."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
-    tensors = load_file(folder / "adapter_model.safetensors")
-    merged = {}
-    for key, lora_a in tensors.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        lora_b = tensors[key.replace(".lora_A.", ".lora_B.")]
-        weight = base[f"{path}.weight"]
-        merged[f"{path}.weight"] = weight + (lora_b.to(weight) @ lora_a.to(weight)) * scaling
-    return merged

@@ -26,6 +26,9 @@ from opentinker.engine.rollout.sampling import RowSettings, next_tokens
 
 #: ``on_tokens(tags, tokens)``: each decode step's new token of every row still generating.
 TokenCallback = Callable[[list[Hashable], list[int]], None]
+#: ``on_forward(tags)``: called right before each forward pass with the tags of its rows (in
+#: row order; in a prefill, every row's, before distinct prompts are grouped).
+ForwardCallback = Callable[[list[Hashable]], None]
 
 
 class DecodeBatch:
@@ -47,14 +50,16 @@ class DecodeBatch:
         self.tags = tags
         self.prompt_lengths = prompt_lengths
         self.stop_texts = stop_texts
+        self.on_forward: ForwardCallback | None = None
 
     # -- building ----------------------------------------------------------------------
     @classmethod
     @torch.no_grad()
     def prefill(cls, engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                tags: Sequence[Hashable]) -> DecodeBatch:
+                tags: Sequence[Hashable], on_forward: ForwardCallback | None = None) -> DecodeBatch:
         """New rows: each distinct prompt is run once (GRPO repeats every prompt n times) and its
-        cache copied to the rows that share it."""
+        cache copied to the rows that share it. ``on_forward`` is called before this and every
+        later forward pass of the batch (rows that share a prompt must then be alike to it)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         stop_texts = [tuple(p.stop) for p in params]
@@ -73,6 +78,8 @@ class DecodeBatch:
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         new_tokens = max(p.max_tokens for p in params)
         cache = in_place_cache(engine.model.config, width + new_tokens)
+        if on_forward is not None:
+            on_forward(list(tags))
         out = engine.model(input_ids=input_ids.to(device), attention_mask=prompt_mask.to(device),
                            position_ids=position_ids.to(device), past_key_values=cache, use_cache=True,
                            logits_to_keep=1)
@@ -83,12 +90,14 @@ class DecodeBatch:
         # Columns past the prompt are every generated token's: a step's mask is a prefix of it.
         mask = torch.cat([prompt_mask[group_of_row], prompt_mask.new_ones((len(prompts), new_tokens))], -1)
         rows = len(prompts)
-        return cls(engine, cache, logits, mask.to(device), (position_ids[group_of_row, -1] + 1).to(device),
-                   RowSettings.of(params, engine.eos_token_ids, device),
-                   torch.zeros((rows, new_tokens), dtype=torch.long, device=device),
-                   torch.zeros((rows, new_tokens), dtype=torch.float32, device=device),
-                   torch.zeros(rows, dtype=torch.long, device=device), list(tags), [len(p) for p in prompts],
-                   stop_texts)
+        batch = cls(engine, cache, logits, mask.to(device), (position_ids[group_of_row, -1] + 1).to(device),
+                    RowSettings.of(params, engine.eos_token_ids, device),
+                    torch.zeros((rows, new_tokens), dtype=torch.long, device=device),
+                    torch.zeros((rows, new_tokens), dtype=torch.float32, device=device),
+                    torch.zeros(rows, dtype=torch.long, device=device), list(tags), [len(p) for p in prompts],
+                    stop_texts)
+        batch.on_forward = on_forward
+        return batch
 
     def __len__(self) -> int:
         return len(self.tags)
@@ -128,6 +137,8 @@ class DecodeBatch:
                 return finished
             chosen = chosen[keep]
         width = self.width
+        if self.on_forward is not None:
+            self.on_forward(list(self.tags))
         self.logits = self.engine.model(
             input_ids=chosen.unsqueeze(-1),
             attention_mask=self.mask[:, :width + 1],
@@ -208,3 +219,4 @@ class DecodeBatch:
         self.tags = self.tags + other.tags
         self.prompt_lengths = self.prompt_lengths + other.prompt_lengths
         self.stop_texts = self.stop_texts + other.stop_texts
+        self.on_forward = self.on_forward or other.on_forward

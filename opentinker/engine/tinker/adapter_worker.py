@@ -46,12 +46,10 @@ from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighte
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
+from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger("opentinker.engine.tinker")
 
-#: A sampler snapshot of a LoRA model: the adapter alone, in peft's folder layout.
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
 #: Rows' tokens one batched pass takes at most (more are split into further passes).
 MAX_PASS_TOKENS = 65_536
 

@@ -16,7 +16,9 @@ users are decoded together. Each round the scheduler:
    costs another user's 2-token call about one forward pass of the big lane;
 2. loads that user's weights if they are not the ones loaded, unless a user on the loaded
    weights is within ``switch_after_s`` of service of the least served (so weights are not
-   swapped every step);
+   swapped every step). A LoRA model's rows need the base weights and carry their adapter
+   (``SampleWork.adapter``, applied per row by ``apply_adapters`` before every forward pass),
+   so rows of many users' adapters share lanes and no weights are swapped between them;
 3. admits waiting samples into the lane (prefilled on their own, then joined: a request starts
    at the next step instead of after whatever is running);
 4. runs one decode step of that lane and hands back the samples that ended.
@@ -71,11 +73,12 @@ class SampleWork:
     ``(completions, prompt_scores)`` or the exception that failed it."""
 
     user: Hashable
-    snapshot: str
+    snapshot: str  # the weights the model must hold (a LoRA model's rows: the base's)
     prompt: list[int]
     params: list[SamplingParams]  # one per sample
     on_done: Callable[[Any], None]
     prompt_options: dict[str, Any] | None = None
+    adapter: Any = None  # applied to this call's rows only (``apply_adapters``), on top of ``snapshot``
     work_id: int = 0
     admitted: int = 0  # samples prefilled so far
     in_flight: int = 0  # of those, rows not finished
@@ -118,10 +121,12 @@ class SampleScheduler:
     scheduling thread, between decode steps)."""
 
     def __init__(self, engine: Any, load: Callable[[str], None], score_prompt: Callable[[SampleWork], Any],
-                 limits: SchedulerLimits | None = None, clock: Callable[[], float] = time.perf_counter):
+                 limits: SchedulerLimits | None = None, clock: Callable[[], float] = time.perf_counter,
+                 apply_adapters: Callable[[list[Any]], None] | None = None):
         self.engine = engine
         self.load = load
         self.score_prompt = score_prompt
+        self.apply_adapters = apply_adapters  # each row's adapter, before each forward pass
         self.limits = limits or SchedulerLimits()
         self.clock = clock
         self.works: dict[int, SampleWork] = {}
@@ -317,9 +322,17 @@ class SampleScheduler:
         return True
 
     def _prefill(self, key: LaneKey, rows: list[tuple[SampleWork, int]]) -> None:
+        # Rows of different adapters are prefilled apart (rows sharing a prompt share its forward).
+        by_adapter: dict[int, list[tuple[SampleWork, int]]] = collections.defaultdict(list)
+        for work, index in rows:
+            by_adapter[id(work.adapter)].append((work, index))
+        for group in by_adapter.values():
+            self._prefill_group(key, group)
+
+    def _prefill_group(self, key: LaneKey, rows: list[tuple[SampleWork, int]]) -> None:
         try:
             batch = DecodeBatch.prefill(self.engine, [w.prompt for w, _ in rows], [w.params[i] for w, i in rows],
-                                        [(w.work_id, i) for w, i in rows])
+                                        [(w.work_id, i) for w, i in rows], self._on_forward)
         except Exception as error:  # noqa: BLE001 - e.g. out of memory: these calls fail, others go on
             for work, index in rows:
                 self._row_gone(key, work, index)
@@ -331,6 +344,10 @@ class SampleScheduler:
             self.lanes[key] = batch
         else:
             lane.absorb(batch)
+
+    def _on_forward(self, tags: list[tuple[int, int]]) -> None:
+        if self.apply_adapters is not None:
+            self.apply_adapters([self.works[work_id].adapter for work_id, _ in tags])
 
     # -- results -------------------------------------------------------------------------
     def _row_gone(self, key: LaneKey, work: SampleWork, index: int) -> None:

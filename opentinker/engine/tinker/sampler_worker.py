@@ -1,13 +1,13 @@
 """Sampling for the Tinker API: one :class:`TinkerSampler` Ray actor per served base model.
 
 A request names the weights to sample from: the base model, or a sampler snapshot that a
-training client saved with ``save_weights_for_sampler``: a LoRA model's adapter alone (merged
-into its layers when its turn comes: a swap touches only the adapted layers) or a fully
-fine-tuned model's full weights. Each request's
-samples are rows of continuously batched decode loops (:mod:`.sample_scheduler`): they join a
-running batch at the next step, users are served in turn by the time their decoding took, and
-weights are swapped between steps when another snapshot's user is due (the rows of the one
-swapped out wait, their caches kept). Prompt logprobs (and top-k) come from one forward pass
+training client saved with ``save_weights_for_sampler``: a LoRA model's adapter alone, applied
+to that call's rows only (:mod:`.row_adapters`: rows of many users' adapters are decoded in one
+batch on the unchanged base weights), or a fully fine-tuned model's full weights (loaded when
+their turn comes). Each request's samples are rows of continuously batched decode loops
+(:mod:`.sample_scheduler`): they join a running batch at the next step, users are served in
+turn by the time their decoding took, and full weights are swapped between steps when another
+snapshot's user is due (the rows of the one swapped out wait, their caches kept). Prompt logprobs (and top-k) come from one forward pass
 of the prompt.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,12 @@ import torch
 
 from opentinker.engine.rollout.base import SamplingParams
 from opentinker.engine.tinker import default_max_tokens
-from opentinker.engine.backend.lora import adapter_merged_weights
-from opentinker.engine.tinker.adapter_worker import ADAPTER_CONFIG_FILE
+from opentinker.engine.tinker.row_adapters import LoadedAdapter, RowAdapters, is_adapter_folder
 from opentinker.engine.tinker.model_worker import SAMPLER_WEIGHTS_FILE
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
 
 BASE = ""  # the snapshot key of the base model's own weights
+ADAPTERS_KEPT = 256  # LoRA snapshots kept loaded (a few MB each at most for models this server trains)
 
 
 class TinkerSampler:
@@ -50,9 +51,10 @@ class TinkerSampler:
         # served without reading the model folder again.
         self._base = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
         self.loaded = BASE
-        self._changed: set[str] = set()  # tensors whose live value is not the base's
+        self.row_adapters = RowAdapters(model)  # used on the scheduler's thread only
+        self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
         self.scheduler = SampleScheduler(self.engine, self._load, self._prompt_scores,
-                                         SchedulerLimits(**(limits or {})))
+                                         SchedulerLimits(**(limits or {})), apply_adapters=self.row_adapters.set)
         threading.Thread(target=self.scheduler.serve_forever, name="tinker-sampler", daemon=True).start()
 
     def ready(self) -> dict[str, Any]:
@@ -93,8 +95,10 @@ class TinkerSampler:
             loop.call_soon_threadsafe(_settle, done, outcome)
 
         scored = {name: request.get(name) for name in ("prompt_logprobs", "topk_prompt", "last_n")}
-        work = SampleWork(user=request.get("user"), snapshot=request.get("snapshot") or BASE, prompt=prompt,
-                          params=per_sample, on_done=on_done,
+        snapshot = request.get("snapshot") or BASE
+        adapter = await self._adapter(snapshot) if snapshot != BASE and is_adapter_folder(snapshot) else None
+        work = SampleWork(user=request.get("user"), snapshot=BASE if adapter is not None else snapshot,
+                          prompt=prompt, params=per_sample, on_done=on_done, adapter=adapter,
                           prompt_options=scored if scored["prompt_logprobs"] or scored["topk_prompt"] else None)
         self.scheduler.submit(work)
         completions, scores = await done
@@ -102,26 +106,28 @@ class TinkerSampler:
         result.update(scores or {})
         return result
 
+    async def _adapter(self, folder: str) -> LoadedAdapter:
+        """A LoRA snapshot's adapter, read once (the newest ``ADAPTERS_KEPT`` stay loaded; a
+        call holds its own until it is done)."""
+        adapter = self._adapters.get(folder)
+        if adapter is None:
+            model = self.engine.model
+            adapter = await asyncio.to_thread(LoadedAdapter, folder, model.device, model.dtype)
+            self._adapters[folder] = adapter
+            while len(self._adapters) > ADAPTERS_KEPT:
+                self._adapters.popitem(last=False)
+        self._adapters.move_to_end(folder)
+        return adapter
+
     # -- on the scheduler's thread ------------------------------------------------------
-    @torch.no_grad()
     def _load(self, snapshot: str) -> None:
-        """The weights of ``snapshot`` into the model. A LoRA snapshot changes only its adapted
-        layers (and puts back the base values of layers the previous one changed), so a swap
-        between adapters costs the adapted weights, not a copy of the whole model."""
         if snapshot == self.loaded:
             return
-        if snapshot != BASE and not (Path(snapshot) / ADAPTER_CONFIG_FILE).is_file():  # full weights
+        if snapshot == BASE:
+            self.engine.update_weights(self._base)
+        else:
             self.engine.update_weights(torch.load(Path(snapshot) / SAMPLER_WEIGHTS_FILE, map_location="cpu",
                                                    weights_only=True, mmap=True))
-            self._changed = set(self._base)
-        else:
-            target = {} if snapshot == BASE else adapter_merged_weights(self._base, snapshot)
-            live = self.engine.model.state_dict(keep_vars=True)
-            for name in self._changed - set(target):
-                live[name].copy_(self._base[name])
-            for name, value in target.items():
-                live[name].copy_(value)
-            self._changed = set(target)
         self.loaded = snapshot
 
     @torch.no_grad()
@@ -132,6 +138,7 @@ class TinkerSampler:
         prompt, last_n, topk = work.prompt, options.get("last_n"), int(options.get("topk_prompt") or 0)
         model = self.engine.model
         ids = torch.tensor([prompt], device=self.engine.device)
+        self.row_adapters.set([work.adapter])
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         scored = logprobs.gather(-1, ids[0, 1:, None])[:, 0].cpu()
