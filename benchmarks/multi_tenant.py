@@ -10,10 +10,14 @@ warm-up step, then ``forward_backward`` + ``optim_step`` back to back for ``--se
 (each step waits for both results). Printed per K:
 
 - the server's total RSS (the server process and every process under it: Ray and the model
-  workers) before any model, and with the K models trained; the RSS each model added (the
-  difference over K; from K=2 on also the marginal cost against the K=1 run);
+  workers) before any model, with the K models made (each after one warm-up step) and with
+  them trained; the RSS each model added (the difference over K; from K=2 on also the
+  marginal cost against the K=1 run, made and trained);
 - aggregate steps/s, each client's p50 / p99 step latency (worst client shown), and the
   fairness ratio most / least steps per client.
+
+``--worker-only``: the shared worker alone in this process, to tell a model's own state from
+the batched pass's activations in the RSS it adds.
 
 ``--compare-with REF`` runs the same on another commit of this repository (a temporary git
 worktree; by default the last commit with one worker actor per model), side by side. Only
@@ -167,6 +171,49 @@ def run_k(code: Path, k: int, rank: int, seconds: float) -> dict:
             "fairness": max(steps) / max(1, min(steps))}
 
 
+def worker_memory(k: int, rank: int) -> None:
+    """In this process, the shared worker alone: the RSS each of K LoRA models adds when
+    trained one at a time (its state: adapter, gradients, AdamW), then after batched cycles
+    of all K (the allocator keeps the larger pass's activations)."""
+    import gc
+
+    import numpy as np
+    import psutil
+    import torch
+
+    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
+
+    torch.set_num_threads(1)
+    targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
+    tokens = np.asarray([1 + (j * 13) % 900 for j in range(48)])
+    data = [(tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(47, np.float32)})] * 4
+    worker = AdapterWorker(None, device="cpu")
+    process = psutil.Process()
+
+    def cycles(groups: list[list[str]]) -> int:
+        for _ in range(3):
+            for group in groups:
+                worker.cycle([ForwardBackwardCall(m, data, "cross_entropy") for m in group],
+                             [("optim_step", m, (adam,)) for m in group])
+        gc.collect()
+        return process.memory_info().rss
+
+    models = [f"m{i}" for i in range(k)]
+    worker.add_model(models[0], LoraSettings(rank, 32.0, targets, seed=0))
+    one = cycles([models[:1]])
+    for i, model in enumerate(models[1:], 1):
+        worker.add_model(model, LoraSettings(rank, 32.0, targets, seed=i))
+    alone = cycles([[m] for m in models])
+    batched = cycles([models])
+    state = sum(p.numel() * p.element_size() for m in models for p in worker._parameters(worker.adapters[m])) / k
+    print(f"[worker alone] K={k}, rank {rank}: adapter weights {state / 2**20:.2f} MB per model (x3 with AdamW); "
+          f"RSS added per model, trained one at a time: {(alone - one) / (k - 1) / 2**20:.2f} MB; "
+          f"after batched cycles of all {k}: {(batched - one) / (k - 1) / 2**20:.2f} MB", flush=True)
+
+
 def _wait_healthy(url: str, server: subprocess.Popen, data: Path) -> None:
     import httpx
 
@@ -196,14 +243,18 @@ def show(label: str, rows: list[dict]) -> None:
     mib = 2**20
     one = next((r for r in rows if r["k"] == 1), None)
     print(f"\n{label}")
-    print("   K  idle RSS  trained RSS  per model  marginal  steps/s  p50 (worst)  p99 (worst)  fairness")
+    print("   K  idle RSS  made RSS  marginal  trained RSS  per model  marginal  steps/s  p50 (worst)  p99 (worst)  "
+          "fairness")
     for r in rows:
         per_model = (r["trained_rss"] - r["idle_rss"]) / r["k"] / mib
-        marginal = "" if one is None or r["k"] == 1 else \
-            f"{(r['trained_rss'] - one['trained_rss']) / (r['k'] - 1) / mib:7.1f}M"
-        print(f"  {r['k']:>2}  {r['idle_rss'] / mib:7.0f}M  {r['trained_rss'] / mib:10.0f}M  {per_model:8.1f}M  "
-              f"{marginal:>8}  {r['steps_per_s']:7.2f}  {max(r['p50']) * 1000:8.0f} ms  "
-              f"{max(r['p99']) * 1000:8.0f} ms  {r['fairness']:8.2f}", flush=True)
+
+        def marginal(field: str) -> str:
+            return "" if one is None or r["k"] == 1 else f"{(r[field] - one[field]) / (r['k'] - 1) / mib:7.1f}M"
+
+        print(f"  {r['k']:>2}  {r['idle_rss'] / mib:7.0f}M  {r['made_rss'] / mib:7.0f}M  {marginal('made_rss'):>8}  "
+              f"{r['trained_rss'] / mib:10.0f}M  {per_model:8.1f}M  {marginal('trained_rss'):>8}  "
+              f"{r['steps_per_s']:7.2f}  {max(r['p50']) * 1000:8.0f} ms  {max(r['p99']) * 1000:8.0f} ms  "
+              f"{r['fairness']:8.2f}", flush=True)
 
 
 def main() -> int:
@@ -212,8 +263,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--compare-with", default=BEFORE_MULTI_TENANT, help="a git ref, or none")
+    parser.add_argument("--worker-only", action="store_true",
+                        help="only the shared worker's memory per model, in this process (the largest K)")
     parser.add_argument("--client-worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker_only:
+        worker_memory(max(int(k) for k in args.ks.split(",")), args.rank)
+        return 0
     if args.client_worker:
         url, keys, rank, seconds = args.client_worker
         print(json.dumps(client_worker(url, keys.split(","), int(rank), float(seconds))), flush=True)
