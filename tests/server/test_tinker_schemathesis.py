@@ -34,6 +34,6 @@ def test_fuzz_every_tinker_operation_with_all_checks(start_server, tmp_path, hel
     assert done.returncode == 0, done.stdout[-8000:]
     document = live.client().get("/api/v1/openapi.json").json()
     operations = sum(len(methods) for methods in document["paths"].values())
-    assert summary["operations"]["tested"] == operations == 28
+    assert summary["operations"]["tested"] == operations == 29
     assert summary["test_cases"]["with_failures"] == 0 and summary["test_cases"]["errored"] == 0
     assert not summary["failures"] and not summary["errors"], (summary["failures"], summary["errors"])

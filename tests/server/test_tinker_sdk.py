@@ -390,3 +390,24 @@ def test_the_sdk_sends_forward_backward_bodies_zstd_compressed(session, monkeypa
     tc.forward_backward([datum()] * 3, "cross_entropy").result()
     assert encodings == ["zstd", "zstd"]  # the server's client_config turned proto_compress_fwdbwd on
     assert len(before) == len(TOKENS) - 1
+
+
+def test_the_sdk_learns_of_finished_samples_from_one_poll_per_session(server, session, monkeypatch):
+    feeds = server.app.state.tinker.completions
+    polls = []
+    poll = feeds.poll
+
+    async def spy(user_id, session_id, clone, prev_cursor, timeout_s):
+        polls.append((session_id, clone, prev_cursor))
+        return await poll(user_id, session_id, clone, prev_cursor, timeout_s)
+
+    monkeypatch.setattr(feeds, "poll", spy)
+    sampler = session().client.create_sampling_client(base_model=TINY).result()
+    futures = [sampler.sample(prompt=types.ModelInput.from_ints(TOKENS[:4]), num_samples=2,
+                              sampling_params=types.SamplingParams(max_tokens=4, seed=i)) for i in range(12)]
+    results = [future.result() for future in futures]
+    assert all(len(r.sequences) == 2 and all(len(s.tokens) == 4 for s in r.sequences) for r in results)
+    # The session poller (client_config sample_use_retrieve_futures) asked, for one session,
+    # with a cursor that moves on.
+    assert polls and len({p[0] for p in polls}) == 1 and {p[1] for p in polls} == {0}
+    assert max(p[2] for p in polls) > 0

@@ -178,6 +178,19 @@ class SampleRequest(_Body):
     record_stability_info: bool = False
 
 
+class FuturesTarget(_Body):
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str = ID
+    cloned_sampler_id: int = Field(0, ge=0, le=MAX_INT)
+
+
+class RetrieveFutures(_Body):
+    target: FuturesTarget
+    prev_cursor: int = Field(0, ge=0, le=MAX_INT)
+    timeout: float | None = Field(None, ge=0, le=3600)
+    retrieved_request_ids: list[str] = Field(default_factory=list, max_length=100_000)
+
+
 class RetrieveFuture(_Body):
     request_id: str = ID
     allow_metadata_only: bool = False

@@ -21,6 +21,7 @@ from typing import Any
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
+from opentinker.server.tinker.completions import CompletionFeeds
 from opentinker.server.tinker.futures import FutureTable
 from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
 from opentinker.server.tinker.model_facts import ModelFactsCache, estimated_adapter_bytes, estimated_model_bytes
@@ -85,6 +86,7 @@ class TinkerService:
         self._housekeeping: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()  # background sampling, kept referenced until done
         self.sample_budget = SampleBudget(settings.max_pending_sample_tokens)
+        self.completions = CompletionFeeds()  # what retrieve_futures reports, per sampling session
         self.facts = ModelFactsCache()
 
     async def start(self) -> None:
@@ -221,6 +223,7 @@ class TinkerService:
                 for row in self.state.expired_checkpoints():
                     self.delete_checkpoint(row)
                 self.futures.forget_older_than(self.settings.future_ttl_s)
+                self.completions.forget_idle(self.settings.future_ttl_s)
             except Exception:  # housekeeping must outlive one bad pass
                 log.exception("tinker housekeeping failed")
 

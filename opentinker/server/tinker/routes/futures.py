@@ -1,6 +1,9 @@
-"""``retrieve_future``: a request's result, long-polled."""
+"""``retrieve_future``: a request's result, long-polled; ``retrieve_futures``: which of a
+sampling session's requests are done (one long poll per session: :mod:`..completions`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import Depends, Response
 from fastapi.responses import JSONResponse
@@ -30,3 +33,16 @@ async def retrieve_future(body: schemas.RetrieveFuture, user: User = Depends(tin
     if row.state == "failed":
         return JSONResponse({"error": row.error, "category": row.category or "server"})
     return Response(content=row.result, media_type=row.content_type)
+
+
+@router.post("/retrieve_futures", responses=errors(404))
+async def retrieve_futures(body: schemas.RetrieveFutures, user: User = Depends(tinker_user),
+                           svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    target = body.target
+    if svc.state.sampler(target.sampling_session_id, user.id) is None:
+        raise not_found(f"sampler {target.sampling_session_id!r}")
+    # The SDK's read timeout is 45 s: hold at most the long poll of retrieve_future.
+    timeout = svc.settings.long_poll_s if body.timeout is None else min(body.timeout, svc.settings.long_poll_s)
+    completions, cursor = await svc.completions.poll(user.id, target.sampling_session_id, target.cloned_sampler_id,
+                                                     body.prev_cursor, timeout)
+    return {"completions": completions, "cursor": cursor}

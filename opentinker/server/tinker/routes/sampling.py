@@ -132,11 +132,14 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
     call = {"snapshot": snapshot, "prompt": prompt, "params": params, "user": user.id,
             "num_samples": body.num_samples, "prompt_logprobs": bool(body.prompt_logprobs),
             "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n}
-    svc.spawn(_sample(svc, served, call, request_id, cost))
+    # Reported to the session's retrieve_futures feed (a cloned sampling client: seq_id // 1e9).
+    feed = None if body.sampling_session_id is None else (body.sampling_session_id, (body.seq_id or 0) // 10**9)
+    svc.spawn(_sample(svc, served, call, request_id, cost, feed))
     return row.submit_answer()
 
 
-async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str, cost: int) -> None:
+async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str, cost: int,
+                  feed: tuple[str, int] | None) -> None:
     from opentinker.server.tinker.host import failure
 
     try:
@@ -144,9 +147,13 @@ async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request
         result = await await_ref(actor.sample.remote(call))
     except Exception as error:
         svc.futures.fail(request_id, *failure(error))
+        if feed is not None:
+            svc.completions.add(call["user"], *feed, request_id, failed=True)
         return
     finally:
         svc.sample_budget.release(call["user"], cost)
     sequences = [wire.SampledSequence(tokens, logprobs, reason) for tokens, logprobs, reason in result["sequences"]]
-    svc.futures.resolve(request_id, wire.encode_sample_response(
-        sequences, result.get("prompt_logprobs"), result.get("topk_prompt")), PROTOBUF)
+    payload = wire.encode_sample_response(sequences, result.get("prompt_logprobs"), result.get("topk_prompt"))
+    svc.futures.resolve(request_id, payload, PROTOBUF)
+    if feed is not None:
+        svc.completions.add(call["user"], *feed, request_id, failed=False, payload_size=len(payload))

@@ -33,7 +33,7 @@ async def healthz() -> dict[str, str]:
 @router.post("/client/config")
 async def client_config(user: User = Depends(tinker_user)) -> dict[str, Any]:
     # proto_compress_fwdbwd: forward_backward bodies come zstd-compressed (benchmarks/wire_compression.py).
-    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True, "sample_use_retrieve_futures": False,
+    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True, "sample_use_retrieve_futures": True,
             "custom_loss_server_side": False, "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True,
             "fwdbwd_max_chunk_len": wire.MAX_DATUMS}
 

@@ -24,7 +24,6 @@ UNSUPPORTED = {
     ("POST", "create_custom_loss"): "server-side custom losses are not offered; forward_backward_custom runs them "
                                     "client-side",
     ("POST", "copy_weights"): "copying checkpoints between runs is not offered",
-    ("POST", "retrieve_futures"): "the session poller is off (client/config sample_use_retrieve_futures=false)",
     ("POST", "join_sampling_session"): "joining sampling sessions is off (sample_join_sampling_session=false)",
     ("POST", "cancel_future"): "cancelling futures is off (client/dynamic_config sample_cancel_enabled=false)",
     ("POST", "auth/token"): "JWT exchange is off (client/config pjwt_auth_enabled=false): send the API key itself",
