@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,18 +38,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import BenchServer, env  # noqa: E402
+
 TINY = "opentinker-tiny-arith"
 BEFORE_MULTI_TENANT = "13349a7"  # the last commit where every Tinker model had a worker of its own
-
-
-def _cli(code: Path, data: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "opentinker.server.cli", *args, "--data-dir", str(data)],
-                          capture_output=True, text=True, timeout=120, check=True, env=_env(code))
-    return done.stdout
-
-
-def _env(code: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(code), "TINKER_TELEMETRY": "0"}
 
 
 def tree_rss(pid: int) -> int:
@@ -121,34 +112,22 @@ def client_worker(url: str, keys: list[str], rank: int, seconds: float) -> dict:
 
 
 def run_k(code: Path, k: int, rank: int, seconds: float) -> dict:
-    data = Path(tempfile.mkdtemp(prefix="opentinker-mt-"))
-    keys = []
-    for i in range(k):
-        _cli(code, data, "admin", "create-user", f"user{i}")
-        keys.append(_cli(code, data, "admin", "create-key", f"user{i}").strip().splitlines()[-1])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(data / "server.log", "w")  # noqa: SIM115 - lives as long as the server
-    server = subprocess.Popen(
-        [sys.executable, "-m", "opentinker.server.cli", "serve", "--port", str(port), "--data-dir", str(data),
-         "--log-level", "warning", "--tinker-max-models", str(max(8, k))],
-        stdout=log, stderr=subprocess.STDOUT, env=_env(code), cwd=code)
+    server = BenchServer(code, "--tinker-max-models", str(max(8, k)))
+    keys = [server.new_key(f"user{i}") for i in range(k)]
     child = None
     try:
-        _wait_healthy(url, server, data)
+        server.start()
         time.sleep(3)  # Ray's own processes settle
-        idle = tree_rss(server.pid)
-        child = subprocess.Popen([sys.executable, __file__, "--client-worker", url, ",".join(keys), str(rank),
+        idle = tree_rss(server.process.pid)
+        child = subprocess.Popen([sys.executable, __file__, "--client-worker", server.url, ",".join(keys), str(rank),
                                   str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=_env(ROOT))
+                                 env=env(ROOT))
         _expect(child, "ready")
-        made = tree_rss(server.pid)
+        made = tree_rss(server.process.pid)
         child.stdin.write("go\n")
         child.stdin.flush()
         _expect(child, "stopped")
-        trained = tree_rss(server.pid)
+        trained = tree_rss(server.process.pid)
         child.stdin.write("done\n")
         child.stdin.flush()
         out, _ = child.communicate(timeout=300)
@@ -156,12 +135,7 @@ def run_k(code: Path, k: int, rank: int, seconds: float) -> dict:
     finally:
         if child is not None and child.poll() is None:
             child.kill()
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        shutil.rmtree(data, ignore_errors=True)
+        server.stop()
     latencies = [c["latencies"] for c in result["clients"]]
     steps = [len(lat) for lat in latencies]
     return {"k": k, "idle_rss": idle, "made_rss": made, "trained_rss": trained, "steps": steps,
@@ -212,22 +186,6 @@ def worker_memory(k: int, rank: int) -> None:
     print(f"[worker alone] K={k}, rank {rank}: adapter weights {state / 2**20:.2f} MB per model (x3 with AdamW); "
           f"RSS added per model, trained one at a time: {(alone - one) / (k - 1) / 2**20:.2f} MB; "
           f"after batched cycles of all {k}: {(batched - one) / (k - 1) / 2**20:.2f} MB", flush=True)
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, data: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited: {(data / 'server.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/v1/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not answer /v1/health within 180 s")
 
 
 def _expect(child: subprocess.Popen, word: str) -> None:
