@@ -182,7 +182,7 @@ def worker_memory(k: int, rank: int) -> None:
         worker.add_model(model, LoraSettings(rank, 32.0, targets, seed=i))
     alone = cycles([[m] for m in models])
     batched = cycles([models])
-    state = sum(p.numel() * p.element_size() for m in models for p in worker._parameters(worker.adapters[m])) / k
+    state = sum(p.numel() * p.element_size() for m in models for p in worker.adapters[m].parameters()) / k
     print(f"[worker alone] K={k}, rank {rank}: adapter weights {state / 2**20:.2f} MB per model (x3 with AdamW); "
           f"RSS added per model, trained one at a time: {(alone - one) / (k - 1) / 2**20:.2f} MB; "
           f"after batched cycles of all {k}: {(batched - one) / (k - 1) / 2**20:.2f} MB", flush=True)

@@ -45,7 +45,7 @@ def train(worker: AdapterWorker, model_ids: list[str], steps: int, together: boo
 
 def adapter_weights(worker: AdapterWorker, model_id: str) -> dict[str, torch.Tensor]:
     adapter = worker.adapters[model_id]
-    return {name.replace(f".{adapter.name}.", "."): p.detach().clone() for name, p in worker._named_parameters(adapter)}
+    return {name.replace(f".{adapter.name}.", "."): p.detach().clone() for name, p in adapter.named}
 
 
 SETTINGS = {"a": LoraSettings(8, 32.0, ALL, seed=1), "b": LoraSettings(4, 16.0, "q_proj,v_proj", seed=2),

@@ -57,6 +57,20 @@ def adamw_for(optimizer: torch.optim.AdamW | None, parameters: list[torch.nn.Par
     return optimizer
 
 
+def clipped_adamw_step(optimizer: torch.optim.AdamW | None, parameters: list[torch.nn.Parameter],
+                       params: AdamParams) -> tuple[torch.optim.AdamW, dict[str, float]]:
+    """Clip, then one AdamW step; a non-finite gradient norm skips the step (it would poison
+    the weights). Gradients are cleared either way. Returns the optimizer (made on first use)
+    and the step's metrics (``skipped_nonfinite`` 1.0: no step was taken)."""
+    optimizer = adamw_for(optimizer, parameters, params)
+    grad_norm = clip_gradients(parameters, params.grad_clip)
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer, {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
+
+
 def clip_gradients(parameters: list[torch.nn.Parameter], grad_clip: float | None) -> float:
     """Clips to ``grad_clip`` (None: no clip) and returns the global gradient norm (for
     sharded parameters, over the whole model)."""

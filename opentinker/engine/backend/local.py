@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ from opentinker.engine.backend.base import (
     ForwardBackwardOutput,
     ForwardOutput,
     WeightBucket,
-    adamw_for,
-    clip_gradients,
+    clipped_adamw_step,
     loss_without_gradients,
     bucketed,
 )
@@ -106,14 +104,9 @@ class LocalBackend:
         """Clip, then one AdamW step; a non-finite gradient norm skips the step (it would
         poison the weights). Gradients are cleared either way."""
         parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw_for(self.optimizer, parameters, params)
-        grad_norm = clip_gradients(parameters, params.grad_clip)
-        finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-            self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
+        self.optimizer, metrics = clipped_adamw_step(self.optimizer, parameters, params)
+        self.step += not metrics["skipped_nonfinite"]
+        return metrics
 
     # -- weights and state ----------------------------------------------------------
     def weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:

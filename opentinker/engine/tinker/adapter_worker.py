@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -38,14 +37,14 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend.base import adamw_for, clip_gradients
+from opentinker.engine.backend.base import clipped_adamw_step
 from opentinker.engine.backend.forward import ResponseScorer
 from opentinker.engine.backend.local import STATE_FILE
 from opentinker.engine.backend.lora import ADAPTER, LoraSettings
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
-from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
+from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
 from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger("opentinker.engine.tinker")
@@ -84,6 +83,10 @@ class _Adapter:
     step: int = 0
     rng: torch.Tensor | None = None  # this model's own RNG state (saved with its checkpoints)
     offloaded: Path | None = None  # where its state waits while not resident
+    named: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)  # its tensors while attached
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named]
 
 
 class AdapterWorker:
@@ -94,18 +97,13 @@ class AdapterWorker:
                  max_resident: int | None = None, offload_dir: str | None = None):
         import tempfile
 
-        from transformers import AutoConfig
-
         from opentinker.engine.model_loading import load_causal_lm, load_tokenizer, pick_device, resolve_model_path
 
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident must be >= 1 or None, got {max_resident}")
         path = resolve_model_path(model_path)
         self.device = pick_device(device)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.vocab_size = int(config.vocab_size)
-        positions = getattr(config, "max_position_embeddings", None)
-        self.context = int(positions) if positions else None
+        self.vocab_size, self.context = datum_limits(path, trust_remote_code)
         pad = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
         self.base = load_causal_lm(path, device=self.device, trust_remote_code=trust_remote_code).eval()
         self.base.requires_grad_(False)
@@ -181,22 +179,18 @@ class AdapterWorker:
                 self.model = get_peft_model(self.base, config, adapter_name=adapter.name).eval()
             else:
                 self.model.add_adapter(adapter.name, config)
-        for parameter in self._parameters(adapter):
+        # Its tensors in module order (the order of its optimizer's state), found once.
+        marker = re.compile(rf"\.lora_[AB]\.{adapter.name}\.")
+        adapter.named = [(name, p) for name, p in self.model.named_parameters() if marker.search(name)]
+        for parameter in adapter.parameters():
             parameter.requires_grad_(True)
         self._resident[adapter.model_id] = None
 
     def _detach(self, adapter: _Adapter) -> None:
         self.model.delete_adapter(adapter.name)
         adapter.optimizer = None
+        adapter.named = []
         self._resident.pop(adapter.model_id, None)
-
-    def _named_parameters(self, adapter: _Adapter) -> list[tuple[str, torch.nn.Parameter]]:
-        """The adapter's tensors in module order (the order of its optimizer's state)."""
-        marker = re.compile(rf"\.lora_[AB]\.{adapter.name}\.")
-        return [(name, p) for name, p in self.model.named_parameters() if marker.search(name)]
-
-    def _parameters(self, adapter: _Adapter) -> list[torch.nn.Parameter]:
-        return [p for _, p in self._named_parameters(adapter)]
 
     def _adapter(self, model_id: str) -> _Adapter:
         adapter = self.adapters.get(model_id)
@@ -222,7 +216,7 @@ class AdapterWorker:
                 self._offload(self.adapters[model_id])
 
     def _offload(self, adapter: _Adapter) -> None:
-        named = self._named_parameters(adapter)
+        named = adapter.named
         state = {"params": {name: p.detach().cpu() for name, p in named},
                  "grads": {name: p.grad.cpu() for name, p in named if p.grad is not None},
                  "optimizer": None if adapter.optimizer is None else adapter.optimizer.state_dict()}
@@ -235,12 +229,12 @@ class AdapterWorker:
         state = _named_for(torch.load(adapter.offloaded, map_location="cpu", weights_only=True), adapter.name)
         self._attach(adapter)
         with torch.no_grad():
-            for name, parameter in self._named_parameters(adapter):
+            for name, parameter in adapter.named:
                 parameter.copy_(state["params"][name])
                 grad = state["grads"].get(name)
                 parameter.grad = None if grad is None else grad.to(parameter.device)
         if state["optimizer"] is not None:
-            adapter.optimizer = torch.optim.AdamW(self._parameters(adapter), lr=0.0)
+            adapter.optimizer = torch.optim.AdamW(adapter.parameters(), lr=0.0)
             adapter.optimizer.load_state_dict(state["optimizer"])
         adapter.offloaded.unlink(missing_ok=True)
         adapter.offloaded = None
@@ -336,16 +330,10 @@ class AdapterWorker:
         gradients), as ``LocalBackend.optim_step``."""
         self._use([model_id])
         adapter = self._adapter(model_id)
-        params = adam_params(adam)
-        parameters = self._parameters(adapter)
-        adapter.optimizer = adamw_for(adapter.optimizer, parameters, params)
-        grad_norm = clip_gradients(parameters, params.grad_clip)
-        finite = math.isfinite(grad_norm)
-        if finite:
-            adapter.optimizer.step()
-            adapter.step += 1
-        adapter.optimizer.zero_grad(set_to_none=True)
-        return tinker_step_metrics({"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)})
+        adapter.optimizer, metrics = clipped_adamw_step(adapter.optimizer, adapter.parameters(),
+                                                        adam_params(adam))
+        adapter.step += not metrics["skipped_nonfinite"]
+        return tinker_step_metrics(metrics)
 
     # -- state ----------------------------------------------------------------------------
     def save_state(self, model_id: str, path: str) -> None:
@@ -355,7 +343,7 @@ class AdapterWorker:
         adapter = self._adapter(model_id)
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        weights = {name: p.detach().cpu() for name, p in self._named_parameters(adapter)}
+        weights = {name: p.detach().cpu() for name, p in adapter.named}
         torch.save({"model": _strip_names(weights, adapter.name),
                     "optimizer": None if adapter.optimizer is None else adapter.optimizer.state_dict(),
                     "rng": adapter.rng, "cuda_rng": None, "step": adapter.step}, folder / STATE_FILE)
@@ -365,7 +353,7 @@ class AdapterWorker:
         adapter = self._adapter(model_id)
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
         weights = _named_for(state["model"], adapter.name)
-        named = dict(self._named_parameters(adapter))
+        named = dict(adapter.named)
         if set(weights) != set(named):
             raise ValueError(f"{path}: the saved state does not fit this model (a different LoRA rank or targets)")
         with torch.no_grad():
@@ -394,7 +382,7 @@ class AdapterWorker:
         folder.mkdir(parents=True, exist_ok=True)
         marker = f".{adapter.name}."
         tensors = {name.replace(marker, "."): p.detach().cpu().contiguous()
-                   for name, p in self._named_parameters(adapter)}
+                   for name, p in adapter.named}
         save_file(tensors, folder / ADAPTER_WEIGHTS_FILE)
         config = adapter.settings.peft_config().to_dict()
         config["target_modules"] = sorted(config["target_modules"]) if isinstance(

@@ -28,6 +28,16 @@ class DatumError(ValueError):
     """A datum the backend cannot train on as sent (a user error)."""
 
 
+def datum_limits(model_path: str, trust_remote_code: bool = False) -> tuple[int, int | None]:
+    """``(vocabulary size, context in positions or None)`` of a model folder: what a datum must
+    fit (the API refuses longer datums at submit; the workers check again in case it could not tell)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    return int(config.vocab_size), int(positions) if positions else None
+
+
 def token_batch(data: Sequence[Datum], vocab_size: int | None = None, context: int | None = None) -> TokenBatch:
     """The datums as one batch; :class:`DatumError` for a datum the model cannot take: a token
     past its vocabulary, targets that are not next tokens, or more than its ``context``

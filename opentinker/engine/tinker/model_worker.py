@@ -19,7 +19,7 @@ import torch
 from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.backend.lora import LoraSettings
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
-from opentinker.engine.tinker.datums import Datum, per_datum, token_batch
+from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
 
 SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
 #: LoRA targets per Tinker's ``train_attn`` / ``train_mlp`` switches (Llama/Qwen module names).
@@ -64,19 +64,13 @@ class ModelSpec:
 
 class TinkerModelWorker:
     def __init__(self, spec: ModelSpec):
-        from transformers import AutoConfig
-
         from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
 
         torch.manual_seed(spec.seed)
         self.spec = spec
         path = resolve_model_path(spec.model_path)
         tokenizer = load_tokenizer(path, trust_remote_code=spec.trust_remote_code)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
-        self.vocab_size = int(config.vocab_size)
-        # The API refuses longer datums at submit; checked here again in case it could not tell.
-        positions = getattr(config, "max_position_embeddings", None)
-        self.context = int(positions) if positions else None
+        self.vocab_size, self.context = datum_limits(path, spec.trust_remote_code)
         self.backend = make_backend(spec.backend_spec(path, tokenizer.pad_token_id))
 
     def ready(self) -> dict[str, Any]:

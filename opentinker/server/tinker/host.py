@@ -144,7 +144,6 @@ class SharedBase:
         self._loop_task: asyncio.Task | None = None
         self.started: asyncio.Future | None = None
         self.dead_error: BaseException | None = None  # the worker died: every later request fails with this
-        self.cycles = 0
 
     async def start(self, model_path: str | None, trust_remote_code: bool, settings: "HostSettings") -> None:
         from opentinker.engine.tinker.adapter_worker import AdapterWorker
@@ -195,7 +194,6 @@ class SharedBase:
                         if not future.done():
                             future.set_exception(error)
                     continue
-                self.cycles += 1
                 for future, outcome in zip(waiting, list(fb) + list(done)):
                     if future.done():  # its model was unloaded meanwhile
                         continue
