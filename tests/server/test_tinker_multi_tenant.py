@@ -149,15 +149,9 @@ def _three_in_turn(server, key: str, after_first_round=lambda: None) -> dict[int
     return losses
 
 
-def test_with_one_resident_adapter_three_models_train_as_if_never_evicted(server, keys, start_server, tmp_path):
-    from opentinker.server import auth
-    from opentinker.server.store import Store
-
-    store = Store(tmp_path / "opentinker.db")
-    try:
-        key = auth.create_api_key(store, auth.create_user(store, "carol"))
-    finally:
-        store.close()
+def test_with_one_resident_adapter_three_models_train_as_if_never_evicted(server, keys, start_server, tmp_path,
+                                                                          helpers):
+    key = helpers.make_user(tmp_path, "carol")
     tight = start_server(tmp_path, tinker_max_resident_adapters=1)
     offload = tmp_path / "tinker" / "offload"
 

@@ -301,15 +301,7 @@ def test_sampling_stops_seeds_and_prompt_logprobs(session):
 
 
 def test_futures_and_checkpoints_survive_a_restart(tmp_path, start_server, keys, helpers):
-    from opentinker.server.store import Store
-
-    store = Store(tmp_path / "opentinker.db")
-    try:
-        from opentinker.server import auth
-
-        key = auth.create_api_key(store, auth.create_user(store, "carol"))
-    finally:
-        store.close()
+    key = helpers.make_user(tmp_path, "carol")
     first = start_server(tmp_path)
     s = Session(first, key)
     tc = s.lora()
@@ -392,7 +384,7 @@ def test_the_sdk_sends_forward_backward_bodies_zstd_compressed(session, monkeypa
     assert len(before) == len(TOKENS) - 1
 
 
-def test_the_sdk_learns_of_finished_samples_from_one_poll_per_session(server, session, monkeypatch):
+def test_the_sdk_learns_of_finished_samples_from_one_poll_per_session(server, keys, session, monkeypatch):
     feeds = server.app.state.tinker.completions
     polls = []
     poll = feeds.poll
@@ -411,3 +403,7 @@ def test_the_sdk_learns_of_finished_samples_from_one_poll_per_session(server, se
     # with a cursor that moves on.
     assert polls and len({p[0] for p in polls}) == 1 and {p[1] for p in polls} == {0}
     assert max(p[2] for p in polls) > 0
+    # Another user's session is not theirs to poll.
+    target = {"type": "sampling_session", "sampling_session_id": sampler._sampling_session_id}
+    with _raw(server, keys["bob"]) as raw:
+        assert raw.post("/retrieve_futures", json={"target": target, "timeout": 0}).status_code == 404
