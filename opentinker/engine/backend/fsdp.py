@@ -56,25 +56,79 @@ def _rendezvous_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+def join_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+    """This rank's device and its one-dimensional device mesh, after joining the ranks'
+    process group (nccl on GPU, gloo on CPU) at rank 0's address."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
+    torch_device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    return torch_device, init_device_mesh(torch_device.type, (world_size,))
+
+
+def build_sharded_model(options: BackendSpec, rank: int, mesh, device: torch.device, trainable: bool):
+    """``options.model_path`` sharded over ``mesh``: rank 0 loads the checkpoint, the others
+    build on the meta device; every decoder layer and then the root are wrapped with
+    ``fully_shard`` and the weights reach the other ranks from rank 0. Not ``trainable``: in
+    eval mode with every weight frozen (a reference model, or a shared base for adapters)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=torch.float32,
+                                                     trust_remote_code=options.trust_remote_code)
+        full_state = model.state_dict()
+    else:  # no memory for weights this rank will only hold a shard of
+        config = AutoConfig.from_pretrained(options.model_path, trust_remote_code=options.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     trust_remote_code=options.trust_remote_code)
+        full_state = {}
+    if trainable and options.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if trainable and options.lora:
+        model = add_adapters(model, options.lora)
+        if rank == 0:
+            full_state = model.state_dict()  # the adapters' initial values go to every rank
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if options.param_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if rank == 0:
+        model.to(device if not options.param_offload else "cpu")
+    else:
+        model.to_empty(device=device if not options.param_offload else "cpu")
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=True))
+    for _, buffer in model.named_buffers():  # non-persistent buffers (rotary) are not in a state dict
+        dist.broadcast(buffer, src=0)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
 class FSDPRank:
     """One rank: its shard of the actor (and reference), its optimizer, its rows of each batch."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, options: BackendSpec):
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          RANK=str(rank), WORLD_SIZE=str(world_size))
         self.rank, self.world_size, self.options = rank, world_size, options
-        cuda = options.device == "cuda"
-        if cuda:
-            torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
-        self.model = self._build(trainable=True)
+        self.device, self.mesh = join_process_group(rank, world_size, master_addr, master_port, options.device)
+        self.model = build_sharded_model(options, rank, self.mesh, self.device, trainable=True)
         # With LoRA the reference is the base model with the adapters disabled: no second copy.
-        self.reference = self._build(trainable=False) if options.with_reference and not options.lora else None
+        self.reference = build_sharded_model(options, rank, self.mesh, self.device, trainable=False) if (
+            options.with_reference and not options.lora) else None
         self.plan: dict[str, MergeEntry] = {
             entry.name: entry for entry in (merge_plan(self.model) if options.lora else
                                             [MergeEntry(n, (n,)) for n, _ in _distinct(self.model.state_dict())])}
@@ -85,50 +139,6 @@ class FSDPRank:
 
     def ready(self) -> int:
         return self.rank
-
-    # -- building ------------------------------------------------------------------
-    def _build(self, trainable: bool):
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        options = self.options
-        if self.rank == 0:
-            model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=torch.float32,
-                                                         trust_remote_code=options.trust_remote_code)
-            full_state = model.state_dict()
-        else:  # no memory for weights this rank will only hold a shard of
-            config = AutoConfig.from_pretrained(options.model_path, trust_remote_code=options.trust_remote_code)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                         trust_remote_code=options.trust_remote_code)
-            full_state = {}
-        if trainable and options.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        if trainable and options.lora:
-            model = add_adapters(model, options.lora)
-            if self.rank == 0:
-                full_state = model.state_dict()  # the adapters' initial values go to every rank
-        kwargs: dict[str, Any] = {"mesh": self.mesh}
-        if self.device.type == "cuda":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if options.param_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        for layer in _decoder_layers(model):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        if self.rank == 0:
-            model.to(self.device if not options.param_offload else "cpu")
-        else:
-            model.to_empty(device=self.device if not options.param_offload else "cpu")
-        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
-                                                                          broadcast_from_rank0=True))
-        for _, buffer in model.named_buffers():  # non-persistent buffers (rotary) are not in a state dict
-            dist.broadcast(buffer, src=0)
-        if not trainable:
-            model.eval().requires_grad_(False)
-        return model
 
     # -- primitives ----------------------------------------------------------------
     @torch.no_grad()
@@ -289,44 +299,53 @@ def shard_rows(batch: TokenBatch, world_size: int) -> list[tuple[TokenBatch, int
     return shards
 
 
+def place_ranks(rank_class: type, options: BackendSpec, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+                *extra: Any) -> tuple[Any, list[Any]]:
+    """``options.ranks`` actors of ``rank_class`` in a placement group (one GPU, or one CPU on
+    CPU, each), made as ``rank_class(rank, world_size, master_addr, master_port, options,
+    *extra)`` with ``options.device`` resolved to cpu or cuda. Returns the group and the actors."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    world_size = options.ranks
+    cuda = options.device == "cuda" or (options.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    options = dataclasses.replace(options, device="cuda" if cuda else "cpu")
+    bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
+    group = placement_group([bundle] * world_size, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        available = ray.available_resources()
+        resource = "GPU" if cuda else "CPU"
+        raise RuntimeError(
+            f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each (trainer.nnodes x "
+            f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"
+        ) from None
+    remote = ray.remote(rank_class)
+    # Rank 0's node, which may not be this one (trainer.nnodes > 1).
+    master_addr, master_port = ray.get(ray.remote(_rendezvous_address).options(
+        num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+    ).remote())
+    ranks = [
+        remote.options(
+            num_cpus=1, num_gpus=1 if cuda else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+        ).remote(rank, world_size, master_addr, master_port, options, *extra)
+        for rank in range(world_size)
+    ]
+    return group, ranks
+
+
 class FSDPBackend:
     """The driver side: a placement group of ``options.ranks`` FSDPRank actors."""
 
     def __init__(self, options: BackendSpec, *, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        world_size = options.ranks  # at least 1: BackendSpec checks it
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
-        self.world_size = world_size
-        cuda = options.device == "cuda" or (options.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        options = dataclasses.replace(options, device="cuda" if cuda else "cpu")
-        bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
-        self._pg = placement_group([bundle] * world_size, strategy="PACK")
-        try:
-            ray.get(self._pg.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._pg)
-            available = ray.available_resources()
-            resource = "GPU" if cuda else "CPU"
-            raise RuntimeError(
-                f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each (trainer.nnodes x "
-                f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"
-            ) from None
-        remote = ray.remote(FSDPRank)
-        # Rank 0's node, which may not be this one (trainer.nnodes > 1).
-        master_addr, master_port = ray.get(ray.remote(_rendezvous_address).options(
-            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=0),
-        ).remote())
-        self._ranks = [
-            remote.options(
-                num_cpus=1, num_gpus=1 if cuda else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-            ).remote(rank, world_size, master_addr, master_port, options)
-            for rank in range(world_size)
-        ]
+        self.world_size = options.ranks  # at least 1: BackendSpec checks it
+        self._pg, self._ranks = place_ranks(FSDPRank, options, placement_timeout_s)
         self._call("ready")  # raises the first rank's construction error, if any
         self.step = 0
 
