@@ -96,6 +96,11 @@ def test_models_batched_together_train_as_each_alone_and_a_bad_request_fails_alo
     assert fb[2]["result"]["metrics"]["loss:sum"] > 0
     # forward_only and the failures left every gradient alone.
     assert all(p.grad is None for p in together.model.parameters())
+    # Also beside a training request in the same pass (whose backward reaches c's adapter too).
+    together.cycle([ForwardBackwardCall("a", datums(1), "cross_entropy"),
+                    ForwardBackwardCall("c", datums(1), "cross_entropy", forward_only=True)], [])
+    assert all(p.grad is not None for p in together.adapters["a"].parameters())
+    assert all(p.grad is None for p in together.adapters["c"].parameters())
 
 
 def test_eviction_to_disk_and_back_is_bit_identical(tmp_path):

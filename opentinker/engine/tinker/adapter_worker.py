@@ -91,13 +91,20 @@ class _Adapter:
 
 class AdapterWorker:
     """``max_resident``: adapters kept on the device at once (None: all); ``offload_dir``: where
-    the others wait."""
+    the others wait.
+
+    This is also each rank of :class:`~opentinker.engine.tinker.sharded_adapters.ShardedAdapterWorker`
+    (the ``fsdp`` strategy), which overrides where the base comes from, which rows of a pass are
+    its own and how gradients meet; ``rank`` / ``world_size`` are 0 / 1 here."""
+
+    rank = 0
+    world_size = 1
 
     def __init__(self, model_path: str | None, trust_remote_code: bool = False, device: str = "auto",
                  max_resident: int | None = None, offload_dir: str | None = None):
         import tempfile
 
-        from opentinker.engine.model_loading import load_causal_lm, load_tokenizer, pick_device, resolve_model_path
+        from opentinker.engine.model_loading import load_tokenizer, pick_device, resolve_model_path
 
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident must be >= 1 or None, got {max_resident}")
@@ -105,8 +112,7 @@ class AdapterWorker:
         self.device = pick_device(device)
         self.vocab_size, self.context = datum_limits(path, trust_remote_code)
         pad = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
-        self.base = load_causal_lm(path, device=self.device, trust_remote_code=trust_remote_code).eval()
-        self.base.requires_grad_(False)
+        self.base = self._load_base(path, trust_remote_code)
         self.model: Any = None  # the peft model, made with the first adapter
         # Rows are scored as padded rows: prefix sharing and packing would mix rows of
         # different adapters.
@@ -118,6 +124,12 @@ class AdapterWorker:
         self._offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="opentinker-adapters-"))
         self._offload_dir.mkdir(parents=True, exist_ok=True)
         self.passes = 0  # batched passes run (for tests and stats)
+
+    def _load_base(self, path: str, trust_remote_code: bool) -> torch.nn.Module:
+        from opentinker.engine.model_loading import load_causal_lm
+
+        base = load_causal_lm(path, device=self.device, trust_remote_code=trust_remote_code).eval()
+        return base.requires_grad_(False)
 
     def ready(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "context": self.context}
@@ -259,6 +271,8 @@ class AdapterWorker:
             try:
                 self._run_pass(group, results)
             except Exception as error:  # noqa: BLE001
+                if self.world_size > 1:  # a rank cannot redo a pass alone: its peers wait in collectives
+                    raise
                 if len(group) == 1:
                     results[group[0].index] = _error(error)
                     continue
@@ -289,51 +303,75 @@ class AdapterWorker:
 
     def _run_pass(self, group: list[_Prepared], results: list[Any]) -> None:
         self._use([item.call.model_id for item in group])
-        rows = [item.adapter.name for item in group for _ in range(len(item.batch))]
-        combined = TokenBatch.from_responses([p for item in group for p in item.batch.prompt_ids],
-                                             [r for item in group for r in item.batch.response_ids])
+        parts = self._own_rows(group)
         train = any(not item.call.forward_only for item in group)
-        needs_entropy = [item.loss.needs_entropy(item.config) for item in group]
+        rows = parts or self._filler(group, train)
+        names = [item.adapter.name for item, part in rows for _ in range(len(part))]
+        combined = TokenBatch.from_responses([p for _, part in rows for p in part.prompt_ids],
+                                             [r for _, part in rows for r in part.response_ids])
+        needs_entropy = {id(item): item.loss.needs_entropy(item.config) for item in group}
 
         def model(**inputs):
-            return self.model(**inputs, adapter_names=rows)
+            return self.model(**inputs, adapter_names=names)
 
         with torch.set_grad_enabled(train):
-            logprobs, entropy = self.scorer(model, combined, 1.0, any(needs_entropy), entropy_grad=any(needs_entropy))
+            logprobs, entropy = self.scorer(model, combined, 1.0, any(needs_entropy.values()),
+                                            entropy_grad=any(needs_entropy.values()))
         self.passes += 1
         total = None
-        outcomes = []
+        outcomes = {}
         start = 0
-        for item, entropy_needed in zip(group, needs_entropy):
-            end, width = start + len(item.batch), item.batch.response_width
-            item_logprobs = logprobs[start:end, :width]
-            item_entropy = entropy[start:end, :width] if entropy_needed else None
+        for item, part in parts:
+            end, width = start + len(part), part.response_width
+            part_logprobs = logprobs[start:end, :width]
+            part_entropy = entropy[start:end, :width] if needs_entropy[id(item)] else None
             if item.call.forward_only:
                 with torch.no_grad():
-                    out = weighted_loss(item.loss, item.config, item_logprobs.detach(),
-                                        None if item_entropy is None else item_entropy.detach(), item.batch,
-                                        self.device)
+                    out = weighted_loss(item.loss, item.config, part_logprobs.detach(),
+                                        None if part_entropy is None else part_entropy.detach(), part, self.device)
             else:
-                out = weighted_loss(item.loss, item.config, item_logprobs, item_entropy, item.batch, self.device)
+                out = weighted_loss(item.loss, item.config, part_logprobs, part_entropy, part, self.device)
                 total = out.loss if total is None else total + out.loss
-            outcomes.append((item, item_logprobs, out))
+            outcomes[id(item)] = {"outputs": per_datum(part, logprobs=part_logprobs.detach(),
+                                                       elementwise_loss=out.elementwise),
+                                  "metrics": out.metrics}
             start = end
-        if total is not None:
+        if train:
+            # The backward writes gradients (zeros) to every adapter the pass's rows went
+            # through, also those of forward-only requests: theirs are put back as they were.
+            kept = [(p, p.grad) for item in group if item.call.forward_only for p in item.adapter.parameters()]
+            if self.world_size > 1:
+                # Every rank runs the backward (FSDP gathers the base's shards in it), also one
+                # whose rows carry no training loss: a zero term gives it a graph.
+                zero = logprobs.sum() * 0.0
+                total = zero if total is None else total + zero
             total.backward()
-        for item, item_logprobs, out in outcomes:
-            results[item.index] = {"result": {
-                "outputs": per_datum(item.batch, logprobs=item_logprobs.detach(), elementwise_loss=out.elementwise),
-                "metrics": out.metrics}}
+            for parameter, grad in kept:
+                parameter.grad = grad
+        for item in group:
+            results[item.index] = {"result": outcomes.get(id(item), {"outputs": [], "metrics": {}})}
+
+    def _own_rows(self, group: list[_Prepared]) -> list[tuple[_Prepared, TokenBatch]]:
+        """The rows of the pass this process computes, per request: all of them here; a rank of
+        the sharded worker overrides it."""
+        return [(item, item.batch) for item in group]
+
+    def _filler(self, group: list[_Prepared], train: bool) -> list[tuple[_Prepared, TokenBatch]]:
+        raise AssertionError("a pass without rows")  # only ranks of the sharded worker have none
 
     def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
         """One AdamW step of this model's adapter (clip, skip on a non-finite norm, clear its
         gradients), as ``LocalBackend.optim_step``."""
         self._use([model_id])
         adapter = self._adapter(model_id)
+        self._reduce_gradients(adapter)
         adapter.optimizer, metrics = clipped_adamw_step(adapter.optimizer, adapter.parameters(),
                                                         adam_params(adam))
         adapter.step += not metrics["skipped_nonfinite"]
         return tinker_step_metrics(metrics)
+
+    def _reduce_gradients(self, adapter: _Adapter) -> None:
+        """Here: nothing (one process holds every row's gradient); ranks sum theirs."""
 
     # -- state ----------------------------------------------------------------------------
     def save_state(self, model_id: str, path: str) -> None:
@@ -341,6 +379,8 @@ class AdapterWorker:
         model of its own with the same LoRA loads it, and the other way round)."""
         self._use([model_id])
         adapter = self._adapter(model_id)
+        if self.rank:  # every rank holds the same adapter and optimizer state: rank 0 writes it
+            return
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         weights = {name: p.detach().cpu() for name, p in adapter.named}
@@ -371,13 +411,15 @@ class AdapterWorker:
             adapter.rng = state["rng"]
         adapter.step = int(state["step"])
 
-    def save_sampler_weights(self, model_id: str, path: str) -> int:
+    def save_sampler_weights(self, model_id: str, path: str) -> int | None:
         """The adapter alone as a peft folder (``adapter_model.safetensors`` and
         ``adapter_config.json``); returns its size in bytes."""
         from safetensors.torch import save_file
 
         self._use([model_id])
         adapter = self._adapter(model_id)
+        if self.rank:
+            return None
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         marker = f".{adapter.name}."
