@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     tinker = serve.add_argument_group("the Tinker API (/api/v1)")
     tinker.add_argument("--tinker-strategy", choices=["local", "fsdp"], default="local",
                         help="backend of each training client's model (default: %(default)s)")
-    tinker.add_argument("--tinker-ranks", type=int, default=1, help="FSDP ranks per model (--tinker-strategy fsdp)")
+    tinker.add_argument("--tinker-ranks", type=int, default=1,
+                        help="FSDP ranks of each base model's shared LoRA worker and of each fully fine-tuned "
+                             "model (--tinker-strategy fsdp)")
     tinker.add_argument("--tinker-max-models", type=int, default=8,
                         help="live training clients on the server, whoever's; past it create_model answers 429 "
                              "(default: %(default)s)")

@@ -63,7 +63,7 @@ class ServerSettings:
     auth_failures_per_minute: int = 20
     # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
-    tinker_ranks: int = 1  # FSDP ranks per model (tinker_strategy=fsdp)
+    tinker_ranks: int = 1  # FSDP ranks per shared LoRA base / fully fine-tuned model (tinker_strategy=fsdp)
     tinker_max_models_per_user: int = 4  # live training clients per user
     tinker_max_models: int = 8  # live training clients on the server, whoever's (429 past it)
     # LoRA adapters each shared base worker keeps in memory; the least recently used others wait

@@ -1,7 +1,8 @@
 """Many users' LoRA models on one base model, through the official ``tinker`` SDK against a real
 server: one shared worker holds them all; each model trains exactly as it does alone; a bad
 request of one leaves the others alone; sampler snapshots are adapter-sized; with one resident
-adapter, models evicted to disk and back train exactly as if never evicted."""
+adapter, models evicted to disk and back train exactly as if never evicted; with
+``--tinker-strategy fsdp`` the shared base is sharded over FSDP ranks and trains as on one."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def batch_of(client: int, step: int) -> list[types.Datum]:
 PROBE = datum(list(range(10, 30)))
 
 
-def train(service, client: int, rank: int, train_mlp: bool = True, bad_request: bool = False) -> dict:
+def train(service, client: int, rank: int, train_mlp: bool = True, bad_request: bool = False,
+          adam: types.AdamParams = types.AdamParams(learning_rate=5e-3)) -> dict:
     """One client's run: STEPS of forward_backward + optim_step (with ``bad_request``, a
     malformed forward_backward before each step), then a state checkpoint and a sampler
     snapshot; returns its losses, model id, paths and the probe's logprobs."""
@@ -46,7 +48,7 @@ def train(service, client: int, rank: int, train_mlp: bool = True, bad_request: 
                 tc.forward_backward([datum([1, 2, 10**6])], "cross_entropy").result()
         out = tc.forward_backward(batch_of(client, step), "cross_entropy").result()
         losses.append(out.metrics["loss:sum"])
-        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        tc.optim_step(adam).result()
     probe = tc.forward([PROBE], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     return {"model_id": tc.model_id, "losses": losses, "probe": probe, "state": tc.save_state("final").result().path,
             "sampler": tc.save_weights_for_sampler("final").result().path, "client": tc}
@@ -182,3 +184,39 @@ def test_when_the_shared_worker_dies_its_models_are_lost_and_a_new_model_gets_a_
     assert new_base is not base
     service.close("success").result()
     assert server.app.state.tinker.host.shared_bases() == []
+
+
+def test_on_the_fsdp_strategy_lora_models_share_one_sharded_base(server, keys, data_dir, start_server, tmp_path,
+                                                                 helpers):
+    """Two clients on a server with ``--tinker-strategy fsdp --tinker-ranks 2``: one worker with
+    the base sharded over 2 ranks holds both adapters; each trains as on the local strategy."""
+    key = helpers.make_user(tmp_path, "dave")
+    sharded = start_server(tmp_path, tinker_strategy="fsdp", tinker_ranks=2)
+    # An eps above the rounding noise of 2 ranks' gradient sums (see tests/engine/test_sharded_adapters.py).
+    adam = types.AdamParams(learning_rate=5e-3, eps=1e-4)
+    pair = CLIENTS[:2]
+    service = tinker.ServiceClient(base_url=sharded.url, api_key="tml-" + key)
+    with concurrent.futures.ThreadPoolExecutor(len(pair)) as pool:
+        on_ranks = list(pool.map(lambda args: train(service, *args, bad_request=args[0] == 1, adam=adam), pair))
+    assert workers(sharded) == {"shared bases": 1, "adapters": 2, "own workers": 0}
+    import ray
+
+    [base] = sharded.app.state.tinker.host.shared_bases()
+    assert ray.get(base.actor.stats.remote())["ranks"] == 2
+    for run in on_ranks:  # rank 0 wrote the adapter-sized snapshot; the sampler takes it
+        assert (_folder(tmp_path, run["sampler"]) / "adapter_model.safetensors").exists()
+    sampler = service.create_sampling_client(model_path=on_ranks[0]["sampler"]).result()
+    assert len(sampler.sample(prompt=PROBE.model_input, num_samples=1,
+                              sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result().sequences) == 1
+    service.close("success").result()
+    assert workers(sharded) == {"shared bases": 0, "adapters": 0, "own workers": 0}
+
+    local = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["alice"])
+    for (client, rank, train_mlp), run in zip(pair, on_ranks):
+        alone = train(local, client, rank, train_mlp, bad_request=client == 1, adam=adam)
+        np.testing.assert_allclose(run["losses"], alone["losses"], rtol=1e-5)
+        np.testing.assert_allclose(run["probe"], alone["probe"], rtol=1e-5, atol=1e-5)
+        mine, ours = checkpoint_weights(tmp_path, run["state"]), checkpoint_weights(data_dir, alone["state"])
+        assert max(float((mine[n] - ours[n]).abs().max()) for n in mine) < 1e-5
+    local.close("success").result()
+

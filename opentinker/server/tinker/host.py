@@ -1,11 +1,13 @@
 """The Ray side of the Tinker API: every model's requests in its ``seq_id`` order, run by the
 worker that holds the model, and one sampler actor per base model.
 
-LoRA models (on the ``local`` strategy) of the same served base model share one
-:class:`~opentinker.engine.tinker.adapter_worker.AdapterWorker` actor (:class:`SharedBase`):
-the base weights once, each model an adapter. Fully fine-tuned models, and LoRA models on the
-``fsdp`` strategy, have a worker of their own (:class:`OwnWorker`). Either way a model is
-driven through the same handle methods, so the routes do not know which.
+LoRA models of the same served base model share one
+:class:`~opentinker.engine.tinker.adapter_worker.AdapterWorker` actor (:class:`SharedBase`;
+on the ``fsdp`` strategy a
+:class:`~opentinker.engine.tinker.sharded_adapters.ShardedAdapterWorker`, the base sharded
+over FSDP ranks): the base weights once, each model an adapter. Fully fine-tuned models have a
+worker of their own (:class:`OwnWorker`). Either way a model is driven through the same
+handle methods, so the routes do not know which.
 
 The SDK sends a training client's requests one after another, but a ``forward_backward``
 split into chunks arrives concurrently, first chunk last. Each model therefore keeps a heap of
@@ -146,12 +148,19 @@ class SharedBase:
         self.dead_error: BaseException | None = None  # the worker died: every later request fails with this
 
     async def start(self, model_path: str | None, trust_remote_code: bool, settings: "HostSettings") -> None:
-        from opentinker.engine.tinker.adapter_worker import AdapterWorker
-
         offload = None if settings.offload_dir is None else str(
             Path(settings.offload_dir) / f"base-{abs(hash(self.key)) % 10**8}-{id(self)}")
-        self.actor = ray.remote(AdapterWorker).options(num_cpus=0, num_gpus=_gpus(), max_concurrency=1).remote(
-            model_path, trust_remote_code, settings.device, settings.max_resident_adapters, offload)
+        args = (model_path, trust_remote_code, settings.device, settings.max_resident_adapters, offload)
+        if settings.strategy == "fsdp":  # the base sharded over FSDP ranks (each rank asks for its own GPU)
+            from opentinker.engine.tinker.sharded_adapters import ShardedAdapterWorker
+
+            self.actor = ray.remote(ShardedAdapterWorker).options(num_cpus=0, max_concurrency=1).remote(
+                *args, ranks=settings.ranks)
+        else:
+            from opentinker.engine.tinker.adapter_worker import AdapterWorker
+
+            self.actor = ray.remote(AdapterWorker).options(num_cpus=0, num_gpus=_gpus(), max_concurrency=1).remote(
+                *args)
         await await_ref(self.actor.ready.remote())
         self._loop_task = asyncio.create_task(self._serve())
 
@@ -306,7 +315,7 @@ class HostSettings:
     gap_s: float = 5.0  # how long a hole in a model's seq_ids is waited for
     strategy: str = "local"  # the backend of every model: local | fsdp
     device: str = "auto"
-    ranks: int = 1  # FSDP ranks per model
+    ranks: int = 1  # FSDP ranks of a shared LoRA base worker or a fully fine-tuned model
     max_resident_adapters: int | None = None  # per shared base worker; the rest wait on disk
     offload_dir: str | None = None  # where (None: a temporary folder)
     # The sampler's batch caps (engine/tinker/sample_scheduler.SchedulerLimits fields); what may
@@ -355,9 +364,10 @@ class TinkerHost:
         if load is not None:
             await slot.actor.load_state(*load)
 
-    def shares_base(self, worker_spec: Any) -> bool:
-        """LoRA models on the local strategy live in their base model's shared worker."""
-        return worker_spec.lora_rank > 0 and self.settings.strategy == "local"
+    @staticmethod
+    def shares_base(worker_spec: Any) -> bool:
+        """LoRA models live in their base model's shared worker (on either strategy)."""
+        return worker_spec.lora_rank > 0
 
     @staticmethod
     def _base_key(worker_spec: Any) -> tuple[str | None, bool]:
