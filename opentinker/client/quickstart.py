@@ -9,7 +9,6 @@ matplotlib, the ``plot`` extra (without it the quickstart says how to get it and
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from opentinker.client.client import OpenTinkerClient

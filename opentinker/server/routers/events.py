@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from opentinker.protocol import MAX_JSON_INT, Event
 from opentinker.server.auth import current_user
 from opentinker.server.deps import get_settings, get_store, owned_job
-from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
+from opentinker.server.errors import AUTHENTICATED_ERRORS, error_responses
 from opentinker.server.event_bus import EventBus
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
