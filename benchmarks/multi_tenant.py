@@ -1,7 +1,7 @@
 """Many LoRA models on one server: memory per model, throughput and fairness as K grows.
 
     python benchmarks/multi_tenant.py [--ks 1,2,4,8] [--seconds 20] [--rank 8]
-                                      [--compare-with 13349a7 | none]
+                                      [--compare-with 13349a7 | none] [--fsdp-ranks N]
 
 For each K, a fresh ``opentinker-server serve`` (its own local Ray, the embedded tiny model,
 a fresh data folder) and K users, each with one official ``tinker`` SDK client in a thread of
@@ -20,8 +20,10 @@ warm-up step, then ``forward_backward`` + ``optim_step`` back to back for ``--se
 the batched pass's activations in the RSS it adds.
 
 ``--compare-with REF`` runs the same on another commit of this repository (a temporary git
-worktree; by default the last commit with one worker actor per model), side by side. Only
-relative numbers of one run mean anything: the machine is shared.
+worktree; by default the last commit with one worker actor per model), side by side.
+``--fsdp-ranks N`` adds a side: this tree with ``--tinker-strategy fsdp --tinker-ranks N`` (the
+shared base sharded over N FSDP ranks). Only relative numbers of one run mean anything: the
+machine is shared.
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ def client_worker(url: str, keys: list[str], rank: int, seconds: float) -> dict:
     return {"clients": results}
 
 
-def run_k(code: Path, k: int, rank: int, seconds: float) -> dict:
-    server = BenchServer(code, "--tinker-max-models", str(max(8, k)))
+def run_k(code: Path, k: int, rank: int, seconds: float, flags: tuple[str, ...] = ()) -> dict:
+    server = BenchServer(code, "--tinker-max-models", str(max(8, k)), *flags)
     keys = [server.new_key(f"user{i}") for i in range(k)]
     child = None
     try:
@@ -221,6 +223,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--compare-with", default=BEFORE_MULTI_TENANT, help="a git ref, or none")
+    parser.add_argument("--fsdp-ranks", type=int, default=0,
+                        help="also run this tree with the shared base on N FSDP ranks (0: not)")
     parser.add_argument("--worker-only", action="store_true",
                         help="only the shared worker's memory per model, in this process (the largest K)")
     parser.add_argument("--client-worker", nargs=4, help=argparse.SUPPRESS)
@@ -235,28 +239,31 @@ def main() -> int:
     ks = [int(k) for k in args.ks.split(",")]
     print(f"[multi_tenant] K = {ks}, {args.seconds:g} s each, LoRA rank {args.rank}, tiny model on "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}", flush=True)
-    sides = [("this tree (shared base worker)", ROOT)]
+    sides: list[tuple[str, Path, tuple[str, ...]]] = [("this tree (shared base worker)", ROOT, ())]
+    if args.fsdp_ranks:
+        sides.append((f"this tree (shared base on {args.fsdp_ranks} FSDP ranks)", ROOT,
+                      ("--tinker-strategy", "fsdp", "--tinker-ranks", str(args.fsdp_ranks))))
     worktree = None
     if args.compare_with != "none":
         worktree = Path(tempfile.mkdtemp(prefix="opentinker-before-"))
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.compare_with],
                        check=True, capture_output=True)
-        sides.append((f"{args.compare_with} (one worker per model)", worktree))
-    results: dict[str, list[dict]] = {label: [] for label, _ in sides}
+        sides.append((f"{args.compare_with} (one worker per model)", worktree, ()))
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
     try:
         for k in ks:  # the two sides alternate, K by K, so both see the same machine
-            for label, code in sides:
+            for label, code, flags in sides:
                 print(f"[multi_tenant] K={k}: {label}", flush=True)
-                results[label].append(run_k(code, k, args.rank, args.seconds))
+                results[label].append(run_k(code, k, args.rank, args.seconds, flags))
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)],
                            capture_output=True)
     for label, rows in results.items():
         show(label, rows)
-    if len(sides) == 2:
-        ours, theirs = results[sides[0][0]], results[sides[1][0]]
-        print("\nratios (this tree / before), by K: steps/s, RSS added per model")
+    for label, _, _ in sides[1:]:
+        ours, theirs = results[sides[0][0]], results[label]
+        print(f"\nratios (this tree, local / {label}), by K: steps/s, RSS added per model")
         for a, b in zip(ours, theirs):
             added = (a["trained_rss"] - a["idle_rss"]) / max(1, b["trained_rss"] - b["idle_rss"])
             print(f"  K={a['k']}: x{a['steps_per_s'] / b['steps_per_s']:.2f} steps/s, x{added:.3f} memory")
