@@ -118,6 +118,33 @@ DEFAULTS: dict[str, Any] = {
             },
         },
     },
+    # PPO's value model (algorithm.adv_estimator=gae only; verl's keys): a value head on the
+    # actor's model (or critic.model.path), trained with the clipped value loss.
+    "critic": {
+        "strategy": None,  # None: the actor's (local | fsdp, on the same ranks setting)
+        "model": {
+            "path": None,  # None: the actor's model; on a server, a served model's name
+            "lora_rank": 0,  # > 0: LoRA adapters plus the value head train; 0: every weight
+            "lora_alpha": 16,
+            "target_modules": "all-linear",
+            "enable_gradient_checkpointing": False,
+        },
+        "ppo_mini_batch_size": 8,  # in prompts (x rollout.n samples), as the actor's
+        "ppo_micro_batch_size": 64,  # in samples
+        "ppo_epochs": 1,
+        "cliprange_value": 0.5,
+        "loss_agg_mode": "token-mean",
+        "grad_clip": 1.0,
+        "optim": {
+            "lr": 1e-5,
+            "weight_decay": 0.01,
+            "betas": [0.9, 0.999],
+            "lr_warmup_steps": -1,  # -1: use lr_warmup_steps_ratio
+            "lr_warmup_steps_ratio": 0.0,
+            "warmup_style": "constant",
+            "min_lr_ratio": 0.0,
+        },
+    },
     "algorithm": {
         "adv_estimator": "grpo",
         "norm_adv_by_std_in_grpo": True,
@@ -162,6 +189,8 @@ DEFAULTS: dict[str, Any] = {
         # auto: continue from the newest checkpoint in default_local_dir, if any; disable;
         # or the path of a global_step_<k> folder (verl's key)
         "resume_mode": "auto",
+        # With a critic: steps that train only the critic before the actor's updates begin.
+        "critic_warmup": 0,
     },
 }
 
@@ -194,6 +223,8 @@ TYPES: dict[str, type] = {
     "algorithm.judge.model": str,
     "algorithm.judge.base_url": str,
     "trainer.default_local_dir": str,
+    "critic.strategy": str,
+    "critic.model.path": str,
 }
 
 #: Keys whose value is one of a few names (for a list-valued key: each item). Registries of
@@ -208,6 +239,11 @@ CHOICES: dict[str, list[str]] = {
     ],
     "actor_rollout_ref.actor.kl_loss_type": ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"],
     "actor_rollout_ref.actor.optim.warmup_style": ["constant", "cosine"],
+    "critic.strategy": ["local", "fsdp"],
+    "critic.loss_agg_mode": [
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+    ],
+    "critic.optim.warmup_style": ["constant", "cosine"],
     "actor_rollout_ref.rollout.name": ["transformers", "vllm"],
     "actor_rollout_ref.rollout.placement": ["colocated", "separate"],
     "actor_rollout_ref.rollout.multi_turn.reward_mode": ["sum", "last", "score"],
@@ -264,6 +300,19 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "actor_rollout_ref.rollout.multi_turn.max_user_turns": (1, 64),
     "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": (1, 32768),
     "actor_rollout_ref.rollout.multi_turn.env_error_reward": (-1e6, 1e6),
+    "critic.model.lora_rank": (0, 1024),
+    "critic.model.lora_alpha": (0, 4096),
+    "critic.ppo_mini_batch_size": (1, 4096),
+    "critic.ppo_micro_batch_size": (1, 4096),
+    "critic.ppo_epochs": (1, 32),
+    "critic.cliprange_value": (0, 1e6),
+    "critic.grad_clip": (0, 1e12),
+    "critic.optim.lr": (0, 1),
+    "critic.optim.weight_decay": (0, 10),
+    "critic.optim.lr_warmup_steps": (-1, 1_000_000),
+    "critic.optim.lr_warmup_steps_ratio": (0, 1),
+    "critic.optim.min_lr_ratio": (0, 1),
+    "trainer.critic_warmup": (0, 100_000),
     "algorithm.gamma": (0, 1),
     "algorithm.lam": (0, 1),
     "algorithm.weight_power": (0, 10),
@@ -285,6 +334,9 @@ _ABOVE_LOW = {
     "actor_rollout_ref.actor.clip_ratio_low",
     "actor_rollout_ref.actor.clip_ratio_high",
     "actor_rollout_ref.actor.grad_clip",
+    "critic.model.lora_alpha",
+    "critic.cliprange_value",
+    "critic.grad_clip",
     "actor_rollout_ref.rollout.top_p",
     "actor_rollout_ref.rollout.gpu_memory_utilization",
     "algorithm.judge.timeout_s",

@@ -24,6 +24,7 @@ from opentinker.engine.backend.forward import pad_to
 from opentinker.engine.batch import TokenBatch
 
 LOSS = "rl_policy"
+VALUE_LOSS = "value"
 # The loss statistics reported (each summed with the loss weights: the mini-batch's mean).
 _STATS = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
 
@@ -61,6 +62,39 @@ def lr_factor(update: int, total_updates: int, warmup: int, style: str, min_lr_r
         progress = (update - warmup) / max(1, total_updates - warmup)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return 1.0
+
+
+def run_epochs(backend: TrainingBackend, batch: TokenBatch, *, epochs: int, mini_batch_samples: int,
+               micro_batch_size: int, agg_mode: str, scale: float, shuffle: torch.Generator, loss: str,
+               loss_config: dict, stats: tuple[str, ...], params: AdamParams,
+               **forward_backward_options) -> tuple[dict[str, float], int, int, int]:
+    """``epochs`` passes over ``batch`` (shuffled when more than one) in mini-batches of
+    ``mini_batch_samples``: ``forward_backward`` of each micro-batch with ``loss``, weighted
+    for ``agg_mode`` over the mini-batch, then one ``optim_step``. Returns the sums over
+    mini-batches of each stat (and ``grad_norm``), the mini-batches, the steps taken and the
+    steps skipped (a non-finite gradient)."""
+    sums: dict[str, float] = defaultdict(float)
+    mini_batches = steps = skipped = 0
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=shuffle) if epochs > 1 else torch.arange(len(batch))
+        for start in range(0, len(batch), mini_batch_samples):
+            mini = batch.select(order[start:start + mini_batch_samples])
+            mini.tensors["weights"] = loss_weights(mini.response_mask, agg_mode, scale)
+            if not float(mini.tensors["weights"].sum()):
+                continue  # no model token: nothing to learn from
+            for micro in mini.split(micro_batch_size):
+                if not float(micro.tensors["weights"].sum()):
+                    continue
+                out = backend.forward_backward(micro, loss, loss_config, **forward_backward_options)
+                for stat in stats:
+                    if f"{stat}:sum" in out.metrics:
+                        sums[stat] += out.metrics[f"{stat}:sum"]
+            step = backend.optim_step(params)
+            sums["grad_norm"] += step["grad_norm"]
+            mini_batches += 1
+            steps += not step["skipped_nonfinite"]
+            skipped += int(step["skipped_nonfinite"])
+    return sums, mini_batches, steps, skipped
 
 
 class PPOUpdate:
@@ -121,31 +155,68 @@ class PPOUpdate:
         ``old_logprobs`` when :meth:`needs_old_logprobs`)."""
         if self.needs_old_logprobs(batch) and "old_logprobs" not in batch.tensors:
             raise ValueError("this update leaves the sampling policy: the batch needs 'old_logprobs'")
-        actor = self.actor
         params = self.adam_params()
-        sums: dict[str, float] = defaultdict(float)
-        mini_batches = steps = skipped = 0
-        for _ in range(actor.ppo_epochs):
-            order = torch.randperm(len(batch), generator=self._shuffle) if actor.ppo_epochs > 1 else torch.arange(len(batch))
-            for start in range(0, len(batch), self.mini_batch_samples):
-                mini = batch.select(order[start:start + self.mini_batch_samples])
-                mini.tensors["weights"] = loss_weights(mini.response_mask, self.agg_mode, self.scale)
-                if not float(mini.tensors["weights"].sum()):
-                    continue  # no model token: nothing to learn from
-                for micro in mini.split(int(actor.ppo_micro_batch_size)):
-                    if not float(micro.tensors["weights"].sum()):
-                        continue
-                    out = self.backend.forward_backward(micro, LOSS, self.loss_config, temperature=temperature,
-                                                        with_entropy=True)
-                    for stat in _STATS:
-                        if f"{stat}:sum" in out.metrics:
-                            sums[stat] += out.metrics[f"{stat}:sum"]
-                step = self.backend.optim_step(params)
-                sums["grad_norm"] += step["grad_norm"]
-                mini_batches += 1
-                steps += not step["skipped_nonfinite"]
-                skipped += int(step["skipped_nonfinite"])
+        sums, mini_batches, steps, skipped = run_epochs(
+            self.backend, batch, epochs=self.actor.ppo_epochs, mini_batch_samples=self.mini_batch_samples,
+            micro_batch_size=int(self.actor.ppo_micro_batch_size), agg_mode=self.agg_mode, scale=self.scale,
+            shuffle=self._shuffle, loss=LOSS, loss_config=self.loss_config, stats=_STATS, params=params,
+            temperature=temperature, with_entropy=True)
         self.updates += 1
         result = {f"actor/{name}": value / mini_batches for name, value in sums.items()} if mini_batches else {}
         result.update({"actor/lr": params.lr, "actor/optimizer_steps": steps, "actor/skipped_nonfinite_steps": skipped})
         return result
+
+
+class CriticUpdate:
+    """The value model's update (``critic.*``): its values before the update, then epochs x
+    mini-batches x micro-batches of the clipped ``value`` loss against the returns, on a
+    backend of its own (a value head: ``BackendSpec.value_head``)."""
+
+    def __init__(self, backend: TrainingBackend, cfg: DictConfig, *, seed: int = 0):
+        self.backend = backend
+        self.critic = critic = cfg.critic
+        self.rollout_n = int(cfg.actor_rollout_ref.rollout.n)
+        self.scale = float(cfg.data.max_response_length)
+        self.loss_config = {"cliprange_value": float(critic.cliprange_value)}
+        optim = critic.optim
+        self.total_updates = int(cfg.trainer.total_training_steps)
+        self.warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(
+            optim.lr_warmup_steps_ratio * self.total_updates)
+        self.updates = 0  # the position in the critic's learning-rate schedule
+        self._shuffle = torch.Generator().manual_seed(seed + 1)
+
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        """[B, R] values of the response tokens (0 past each response), in micro-batches."""
+        parts = [self.backend.forward(part).logprobs for part in batch.split(int(self.critic.ppo_micro_batch_size))]
+        return torch.cat([pad_to(p, batch.response_width) for p in parts])
+
+    def adam_params(self) -> AdamParams:
+        optim = self.critic.optim
+        factor = lr_factor(self.updates, self.total_updates, self.warmup, optim.warmup_style, optim.min_lr_ratio)
+        return AdamParams(lr=optim.lr * factor, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                          grad_clip=self.critic.grad_clip)
+
+    def update(self, batch: TokenBatch) -> dict[str, float]:
+        """One critic update on ``batch`` (``returns``; ``old_values``: the values it was given)."""
+        params = self.adam_params()
+        sums, mini_batches, steps, skipped = run_epochs(
+            self.backend, batch, epochs=int(self.critic.ppo_epochs),
+            mini_batch_samples=int(self.critic.ppo_mini_batch_size) * self.rollout_n,
+            micro_batch_size=int(self.critic.ppo_micro_batch_size), agg_mode=self.critic.loss_agg_mode,
+            scale=self.scale, shuffle=self._shuffle, loss=VALUE_LOSS, loss_config=self.loss_config,
+            stats=("loss", "vf_clipfrac", "vpred"), params=params)
+        self.updates += 1
+        names = {"loss": "vf_loss", "vf_clipfrac": "vf_clipfrac", "vpred": "vpred_mean", "grad_norm": "grad_norm"}
+        result = {f"critic/{names[k]}": v / mini_batches for k, v in sums.items()} if mini_batches else {}
+        result.update({"critic/lr": params.lr, "critic/optimizer_steps": steps,
+                       "critic/skipped_nonfinite_steps": skipped})
+        return result
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` over the model tokens (1: the values
+    predict the returns; 0: no better than their mean; NaN when the returns do not vary)."""
+    keep = mask > 0
+    target, residual = returns[keep].double(), (returns - values)[keep].double()
+    variance = float(target.var(unbiased=False)) if target.numel() else 0.0
+    return 1.0 - float(residual.var(unbiased=False)) / variance if variance > 0 else float("nan")

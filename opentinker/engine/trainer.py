@@ -52,7 +52,7 @@ from opentinker.engine.model_loading import (
     resolve_model_path,
 )
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
-from opentinker.engine.ppo import PPOUpdate
+from opentinker.engine.ppo import CriticUpdate, PPOUpdate, explained_variance
 from opentinker.engine.rollout import (
     AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
 )
@@ -111,11 +111,6 @@ class RLTrainer:
         interactions: Mapping[str, Interaction] | None = None,
     ):
         self.cfg = cfg
-        if cfg.algorithm.adv_estimator == "gae":
-            raise ConfigError(
-                "algorithm.adv_estimator=gae needs a critic (value model), which this trainer does not "
-                "train yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline"
-            )
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.strategy_judge = strategy_judge
         torch.manual_seed(cfg.trainer.seed)
@@ -141,6 +136,8 @@ class RLTrainer:
         self.backend: TrainingBackend = make_backend(
             BackendSpec.from_config(cfg, self.model_path, self.tokenizer.pad_token_id))
         self.ppo = PPOUpdate(self.backend, cfg, seed=cfg.trainer.seed)
+        # PPO with GAE learns a value model beside the policy (the critic).
+        self.critic = self._make_critic() if cfg.algorithm.adv_estimator == "gae" else None
         self.rollout: RolloutEngine = self._make_rollout_engine()
         self.agent_loops: AgentLoopRunner | None = None
         if self.interactions:
@@ -178,6 +175,22 @@ class RLTrainer:
         checkpoint = find_checkpoint(cfg.trainer.resume_mode, cfg.trainer.default_local_dir)
         if checkpoint is not None:
             self.resume(checkpoint)
+
+    def _make_critic(self) -> CriticUpdate:
+        """The value model: ``critic.model.path`` (the actor's model by default) with a value
+        head; it must read the actor's tokens, so its tokenizer must be the actor's."""
+        cfg = self.cfg
+        path = self.model_path if cfg.critic.model.path is None else resolve_model_path(cfg.critic.model.path)
+        if path != self.model_path:
+            critic_tokenizer = load_tokenizer(path, cfg.actor_rollout_ref.model.trust_remote_code)
+            if critic_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ConfigError(f"critic.model.path: {cfg.critic.model.path} has another tokenizer than the "
+                                  "actor's model; a critic must read the actor's token ids")
+        spec = BackendSpec.critic_from_config(cfg, path, self.tokenizer.pad_token_id)
+        if spec.strategy == "fsdp":  # its ranks hang in their first collective (being looked into)
+            raise ConfigError("critic.strategy: a critic on FSDP ranks is not supported yet; set critic.strategy=local "
+                              "(the actor may stay on fsdp)")
+        return CriticUpdate(make_backend(spec), cfg, seed=cfg.trainer.seed)
 
     def _make_rollout_engine(self) -> RolloutEngine:
         ar = self.cfg.actor_rollout_ref
@@ -264,6 +277,7 @@ class RLTrainer:
         labels, label_metrics = None, {}
         if algorithm.adv_estimator.startswith("grpo_weighted"):
             labels, label_metrics = self.strategy_labels(rollout)
+        values = batch.tensors.get("old_values")
         advantages, returns, metrics = self.estimator(
             self.token_rewards(batch, rollout.rewards),
             batch.response_mask,
@@ -274,9 +288,17 @@ class RLTrainer:
             weight_power=algorithm.weight_power,
             weight_positive_only=algorithm.weight_positive_only,
             strategy_labels=labels,
+            **({} if values is None else {"values": values}),
         )
         batch.tensors["advantages"] = advantages
-        return {**metrics, **label_metrics, "advantages/mean": float(masked_mean(advantages, batch.response_mask))}
+        metrics = {**metrics, **label_metrics, "advantages/mean": float(masked_mean(advantages, batch.response_mask))}
+        if values is not None:  # what the critic learns from: the returns its values should predict
+            batch.tensors["returns"] = returns
+            mask = batch.response_mask
+            metrics.update({"critic/values/mean": float(masked_mean(values, mask)),
+                            "critic/returns/mean": float(masked_mean(returns, mask)),
+                            "critic/explained_variance": explained_variance(values, returns, mask)})
+        return metrics
 
     def strategy_labels(self, rollout: Rollout) -> tuple[list[Any], dict[str, float]]:
         """One strategy label per sample from the judge; ``None`` (weight 1) where a sample is not
@@ -393,10 +415,19 @@ class RLTrainer:
         if cfg.actor_rollout_ref.actor.use_kl_loss:
             with timer.phase("ref_logprob"):
                 batch.tensors["ref_logprobs"] = self.ppo.logprobs(batch, temperature=temperature, reference=True)
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch.tensors["old_values"] = self.critic.values(batch)
         with timer.phase("advantages"):
             adv_metrics = self.compute_advantages(batch, rollout)
-        with timer.phase("update"):
-            update_metrics = self.ppo.update(batch, temperature=temperature)
+        update_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer.phase("update_critic"):
+                update_metrics.update(self.critic.update(batch))
+        # trainer.critic_warmup: the first steps train the critic alone.
+        if self.critic is None or self.global_step >= cfg.trainer.critic_warmup:
+            with timer.phase("update"):
+                update_metrics.update(self.ppo.update(batch, temperature=temperature))
         with timer.phase("sync"):
             self.rollout.wake()
             self.sync_weights()
@@ -491,6 +522,8 @@ class RLTrainer:
         folder = Path(root) / f"global_step_{self.global_step}"
         actor = self.backend.export_hf(folder / "actor", self.tokenizer)
         self.backend.save_state(folder / "state")
+        if self.critic is not None:
+            self.critic.backend.save_state(folder / CRITIC_STATE)
         torch.save(self.trainer_state(), folder / TRAINER_STATE)  # last: its presence marks a complete checkpoint
         latest = Path(root) / LATEST_CHECKPOINT
         tmp = latest.with_suffix(".tmp")
@@ -509,6 +542,8 @@ class RLTrainer:
             "consecutive_skipped_steps": self.consecutive_skipped_steps,
             "loader": self.loader.state_dict(),
             "rollout_rng": rollout_rng() if callable(rollout_rng) else None,
+            "critic_updates": None if self.critic is None else self.critic.updates,
+            "critic_shuffle": None if self.critic is None else self.critic._shuffle.get_state(),
         }
 
     def resume(self, checkpoint: Path) -> None:
@@ -522,6 +557,13 @@ class RLTrainer:
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_skipped_steps = int(state["consecutive_skipped_steps"])
         self.loader.load_state_dict(state["loader"])
+        if self.critic is not None:
+            if state.get("critic_updates") is None:
+                raise ConfigError(f"trainer.resume_mode: {checkpoint} was saved without a critic "
+                                  "(algorithm.adv_estimator was not gae)")
+            self.critic.backend.load_state(checkpoint / CRITIC_STATE)
+            self.critic.updates = int(state["critic_updates"])
+            self.critic._shuffle.set_state(state["critic_shuffle"])
         set_rng = getattr(self.rollout, "set_rng_state", None)
         if state["rollout_rng"] is not None and callable(set_rng):
             set_rng(state["rollout_rng"])
@@ -595,9 +637,12 @@ class RLTrainer:
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.backend.close()
+        if self.critic is not None:
+            self.critic.backend.close()
 
 
 TRAINER_STATE = "trainer_state.pt"
+CRITIC_STATE = "critic_state"  # the value model's backend state, beside the actor's "state"
 LATEST_CHECKPOINT = "latest_checkpointed_iteration.txt"  # verl's name for the same file
 
 

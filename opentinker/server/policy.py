@@ -2,8 +2,8 @@
 
 A client's config is data, never a way to reach the server's disk, code, secrets or network:
 
-- ``actor_rollout_ref.model.path`` names one of the *served models* (``GET /v1/models``),
-  never a folder; the runner maps the name to its path. ``trust_remote_code`` and
+- ``actor_rollout_ref.model.path`` (and ``critic.model.path``) names one of the *served
+  models* (``GET /v1/models``), never a folder; the runner maps the name to its path. ``trust_remote_code`` and
   ``trainer.default_local_dir`` are the operator's alone.
 - the OpenAI-compatible strategy judge is called only at the operator's base URL and with one
   of the operator's judge models (the server's API key goes nowhere else); the ``hf`` judge
@@ -132,6 +132,11 @@ class JobPolicy:
         cfg = make_config(overrides, limits=self.limits)
         model = self.served_model(cfg.actor_rollout_ref.model.path)
         cfg.actor_rollout_ref.model.path = model.name
+        if cfg.critic.model.path is not None:  # a served model's name too, never a folder
+            critic = self.served_model(cfg.critic.model.path, "config.critic.model.path")
+            if critic.path is None and model.path is not None:  # None means "the actor's model" to the trainer
+                raise PolicyError("config.critic.model.path", "critic.model.path: the embedded tiny model can only "
+                                  "be the critic of itself; leave critic.model.path out for the actor's model")
         self._check_judge(cfg)
         refused = [name for name in cfg.trainer.logger if name not in self.loggers]
         if refused:
@@ -181,6 +186,8 @@ class JobPolicy:
             "trainer.default_local_dir": f"{job_dir}/checkpoints",
             "trainer.progress_bar": False,
         }
+        if cfg.critic.model.path is not None:
+            overrides["critic.model.path"] = self.served_model(cfg.critic.model.path).path
         judge = cfg.algorithm.judge
         if judge.kind == "openai":
             overrides[f"{_JUDGE}.base_url"] = self.judge_base_url

@@ -27,11 +27,6 @@ def test_missing_model_path_fails_before_training(tmp_path):
         RLTrainer(make_config([f"actor_rollout_ref.model.path={tmp_path}/nope", *FAST]))
 
 
-def test_gae_without_a_critic_is_a_clear_error():
-    with pytest.raises(ConfigError, match="needs a critic"):
-        RLTrainer(make_config(["algorithm.adv_estimator=gae", *FAST]))
-
-
 def test_reward_lands_on_the_last_model_token():
     batch = TokenBatch.from_responses([[1], [1], [1]], [[5, 6, 7], [5, 6, 7, 8], [5]], [[1, 1, 0], [1, 0, 1, 0], [1]])
     rewards = RLTrainer.token_rewards(batch, [1.0, 2.0, 3.0])

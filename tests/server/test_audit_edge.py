@@ -116,6 +116,11 @@ def test_3_model_path_names_a_served_model_never_a_folder(alice, server, helpers
                         400, "is not a model served here", f"served models: {TINY_MODEL_NAME}")
         errors.append(body["error"].replace(path, "PATH"))
     assert errors[0] == errors[1]
+    # The critic's model is a served model's name too.
+    body = _refused(alice.post("/v1/jobs", json={"config": {"algorithm.adv_estimator": "gae",
+                                                             "critic.model.path": existing}}),
+                    400, "critic.model.path", "is not a model served here")
+    assert body["detail"] == {"field": "config.critic.model.path"}
     job_id = helpers.create_job(alice, "quick", steps=1, config={"actor_rollout_ref.model.path": TINY_MODEL_NAME,
                                                                   "trainer.total_training_steps": 1})
     assert alice.get(f"/v1/jobs/{job_id}").json()["config"]["actor_rollout_ref.model.path"] == TINY_MODEL_NAME

@@ -44,6 +44,11 @@ def make_backend(spec: BackendSpec) -> TrainingBackend:
     from opentinker.engine.model_loading import load_causal_lm, pick_device
 
     model = load_causal_lm(spec.model_path, device=pick_device(spec.device), trust_remote_code=spec.trust_remote_code)
+    if spec.value_head:
+        from opentinker.engine.backend.value_head import attach_value_head
+
+        attach_value_head(model, spec.seed)
     return LocalBackend(model, pad_token_id=spec.pad_token_id, with_reference=spec.with_reference,
                         use_remove_padding=spec.use_remove_padding, share_prompt_prefix=spec.share_prompt_prefix,
-                        gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora)
+                        gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora,
+                        value_head=spec.value_head)

@@ -106,5 +106,21 @@ class ResponseScorer:
         return [first, rest], inputs.targets, inputs.valid
 
 
+class ValueScorer(ResponseScorer):
+    """A value model's output at each response token's position (see ``value_head``): [B, R],
+    0 past each response. Same call as :class:`ResponseScorer`; no temperature, no entropy."""
+
+    def __call__(self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool,
+                 entropy_grad: bool = True) -> tuple[torch.Tensor, None]:
+        with self._autocast():
+            pieces, _, valid = self._response_logits(model, batch)
+        values = torch.cat([piece[..., 0].float() for piece in pieces], dim=1)
+        return values * valid.to(self.device), None
+
+
+def scorer_for(value_head: bool, *args, **kwargs) -> ResponseScorer:
+    return (ValueScorer if value_head else ResponseScorer)(*args, **kwargs)
+
+
 def pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, width - values.shape[1]))

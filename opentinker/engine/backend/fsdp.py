@@ -36,10 +36,11 @@ from opentinker.engine.backend.base import (
     clip_gradients,
     loss_without_gradients,
 )
-from opentinker.engine.backend.forward import ResponseScorer, pad_to
+from opentinker.engine.backend.forward import pad_to, scorer_for
 from opentinker.engine.backend.lora import MergeEntry, add_adapters, merge_plan, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.backend.spec import BackendSpec
+from opentinker.engine.backend.value_head import attach_value_head
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing
 
@@ -92,6 +93,10 @@ def build_sharded_model(options: BackendSpec, rank: int, mesh, device: torch.dev
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      trust_remote_code=options.trust_remote_code)
         full_state = {}
+    if options.value_head:  # rank 0's initial head reaches the others with the weights
+        attach_value_head(model, options.seed)
+        if rank == 0:
+            full_state = model.state_dict()
     if trainable and options.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if trainable and options.lora:
@@ -132,8 +137,8 @@ class FSDPRank:
         self.plan: dict[str, MergeEntry] = {
             entry.name: entry for entry in (merge_plan(self.model) if options.lora else
                                             [MergeEntry(n, (n,)) for n, _ in _distinct(self.model.state_dict())])}
-        self.scorer = ResponseScorer(options.pad_token_id, self.device, options.use_remove_padding,
-                                     options.share_prompt_prefix and not options.gradient_checkpointing)
+        self.scorer = scorer_for(options.value_head, options.pad_token_id, self.device, options.use_remove_padding,
+                                 options.share_prompt_prefix and not options.gradient_checkpointing)
         self.optimizer: torch.optim.AdamW | None = None
         self.step = 0
 

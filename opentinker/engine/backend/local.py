@@ -21,7 +21,7 @@ from opentinker.engine.backend.base import (
     loss_without_gradients,
     bucketed,
 )
-from opentinker.engine.backend.forward import ResponseScorer
+from opentinker.engine.backend.forward import scorer_for
 from opentinker.engine.backend.lora import LoraSettings, add_adapters, merge_plan, merged_state_dict, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
@@ -44,6 +44,7 @@ class LocalBackend:
         share_prompt_prefix: bool = True,
         gradient_checkpointing: bool = False,
         lora: LoraSettings | None = None,
+        value_head: bool = False,
     ):
         self.device = next(model.parameters()).device
         self.lora = lora
@@ -52,8 +53,9 @@ class LocalBackend:
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.model = add_adapters(model, lora) if lora else model
-        self.scorer = ResponseScorer(
-            pad_token_id, self.device, use_remove_padding, share_prompt_prefix and not gradient_checkpointing
+        # A value model's outputs are values (its head: engine/backend/value_head.py).
+        self.scorer = scorer_for(
+            value_head, pad_token_id, self.device, use_remove_padding, share_prompt_prefix and not gradient_checkpointing
         )
         self.optimizer: torch.optim.AdamW | None = None  # made at the first step: its settings come with it
         self.step = 0

@@ -18,6 +18,8 @@ Built in (the Tinker API's semantics, ``r = exp(logprobs - old_logprobs)``):
   with ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``), plus
   ``kl_loss_coef * KL(kl_loss_type)`` to ``ref_logprobs`` when ``use_kl_loss``, minus
   ``entropy_coeff * entropy``. Without ``old_logprobs`` the ratio is 1 (on-policy).
+- ``value``: a value model's clipped loss against ``returns`` (``old_values``,
+  ``cliprange_value``); the backend's per-token outputs are then values, not logprobs.
 """
 
 from __future__ import annotations
@@ -180,3 +182,15 @@ def rl_policy(logprobs, inputs, config, entropy):
         losses = losses + config["kl_loss_coef"] * kl
         stats["kl"] = kl.detach()
     return losses, stats
+
+
+@register_loss("value", inputs=("returns", "old_values"), options={"cliprange_value": 0.5})
+def value(values, inputs, config, entropy):
+    """PPO's clipped value loss (verl's ``compute_value_loss``) on a value model's outputs:
+    ``0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)`` with ``c`` =
+    ``cliprange_value``; ``values`` come where a policy's logprobs do."""
+    returns, old = inputs["returns"], inputs["old_values"]
+    clipped = old + torch.clamp(values - old, -config["cliprange_value"], config["cliprange_value"])
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), {
+        "vf_clipfrac": (clipped_loss > unclipped_loss).to(values.dtype), "vpred": values.detach()}

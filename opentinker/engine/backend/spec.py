@@ -36,6 +36,8 @@ class BackendSpec:
     gradient_checkpointing: bool = False
     param_offload: bool = False  # fsdp: parameters on CPU between uses
     optimizer_offload: bool = False  # fsdp: optimizer state on CPU
+    value_head: bool = False  # a value model (PPO's critic): outputs are values (engine/backend/value_head.py)
+    seed: int = 0  # of the value head's initial weights
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -68,3 +70,21 @@ class BackendSpec:
             param_offload=bool(fsdp.param_offload),
             optimizer_offload=bool(fsdp.optimizer_offload),
         )
+
+    @classmethod
+    def critic_from_config(cls, cfg: Any, model_path: str, pad_token_id: int) -> BackendSpec:
+        """The value model a PPO job's ``critic`` section describes (``model_path``: its folder,
+        the actor's unless ``critic.model.path``): a value head on it, LoRA (with the head
+        trained whole) or full, on the actor's ranks unless ``critic.strategy`` says otherwise."""
+        actor, critic, trainer = cls.from_config(cfg, model_path, pad_token_id), cfg.critic, cfg.trainer
+        model = critic.model
+        lora = LoraSettings(int(model.lora_rank), float(model.lora_alpha), str(model.target_modules),
+                            seed=int(trainer.seed), modules_to_save=("lm_head",)) if model.lora_rank > 0 else None
+        strategy = str(critic.strategy or actor.strategy)
+        return cls(
+            model_path=model_path, pad_token_id=pad_token_id, lora=lora, strategy=strategy,
+            ranks=int(trainer.nnodes * trainer.n_gpus_per_node) if strategy == "fsdp" else 1,
+            device=actor.device, trust_remote_code=actor.trust_remote_code,
+            use_remove_padding=actor.use_remove_padding, share_prompt_prefix=actor.share_prompt_prefix,
+            gradient_checkpointing=bool(model.enable_gradient_checkpointing), param_offload=actor.param_offload,
+            optimizer_offload=actor.optimizer_offload, value_head=True, seed=int(trainer.seed))
