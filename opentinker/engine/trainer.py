@@ -187,9 +187,6 @@ class RLTrainer:
                 raise ConfigError(f"critic.model.path: {cfg.critic.model.path} has another tokenizer than the "
                                   "actor's model; a critic must read the actor's token ids")
         spec = BackendSpec.critic_from_config(cfg, path, self.tokenizer.pad_token_id)
-        if spec.strategy == "fsdp":  # its ranks hang in their first collective (being looked into)
-            raise ConfigError("critic.strategy: a critic on FSDP ranks is not supported yet; set critic.strategy=local "
-                              "(the actor may stay on fsdp)")
         return CriticUpdate(make_backend(spec), cfg, seed=cfg.trainer.seed)
 
     def _make_rollout_engine(self) -> RolloutEngine:

@@ -56,6 +56,10 @@ def test_logprobs_match_the_local_backend(fsdp, local, batch):
         assert torch.allclose(sharded.entropy, single.entropy, atol=1e-5)
     one_row = batch.select([2])  # fewer rows than ranks: the idle rank computes a zero-weight row
     assert torch.allclose(fsdp.forward(one_row).logprobs, local.forward(one_row).logprobs, atol=1e-5)
+    # Rank 0 gets two samples of one prompt (prompt-once layout), rank 1 one row (padded): the
+    # ranks must still run the same model calls (this hung before the driver chose one layout).
+    mixed = batch.select([0, 1, 6])
+    assert torch.allclose(fsdp.forward(mixed).logprobs, local.forward(mixed).logprobs, atol=1e-5)
     # Loss values without gradients (forward_loss) agree too.
     sharded, single = fsdp.forward_loss(batch, "cross_entropy"), local.forward_loss(batch, "cross_entropy")
     assert torch.allclose(sharded.elementwise_loss, single.elementwise_loss, atol=1e-5)

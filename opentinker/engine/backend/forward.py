@@ -28,12 +28,13 @@ class ResponseScorer:
 
     def __call__(
         self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool,
-        entropy_grad: bool = True,
+        entropy_grad: bool = True, share_prefix: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropy) of each response token, [B, R]; 0 past each response. The
-        entropy is differentiable only with ``entropy_grad`` (a loss term, not a statistic)."""
+        entropy is differentiable only with ``entropy_grad`` (a loss term, not a statistic).
+        ``share_prefix``: the layout decided by the caller (None: :meth:`shares_prefix`)."""
         with self._autocast():
-            pieces, targets, valid = self._response_logits(model, batch)
+            pieces, targets, valid = self._response_logits(model, batch, share_prefix)
         targets, valid = targets.to(self.device), valid.to(self.device)
         logprobs, entropy, start = [], [], 0
         for logits in pieces:  # consecutive spans of response positions
@@ -54,11 +55,18 @@ class ResponseScorer:
     def _inputs(self, batch: TokenBatch) -> ModelInputs:
         return packed_inputs(batch) if self.use_remove_padding else padded_inputs(batch, self.pad_token_id)
 
-    def _response_logits(self, model: PreTrainedModel, batch: TokenBatch):
+    def shares_prefix(self, batch: TokenBatch) -> bool:
+        """Whether ``batch`` runs with its prompts once (two model calls: the prompts, then the
+        responses on their KV cache) rather than as padded rows (one call): only when enabled,
+        some prompt repeats, and some response has more than one token."""
+        repeated_prompts = len({tuple(p) for p in batch.prompt_ids}) < len(batch)
+        return (not self.use_remove_padding and self.share_prompt_prefix and repeated_prompts
+                and batch.response_width > 1)
+
+    def _response_logits(self, model: PreTrainedModel, batch: TokenBatch, share_prefix: bool | None = None):
         """The logits at the positions that predict each response token: [B, r_i, V] pieces
         that together span the R response positions (kept apart: joining them copies [B, R, V])."""
-        repeated_prompts = len({tuple(p) for p in batch.prompt_ids}) < len(batch)
-        if not self.use_remove_padding and self.share_prompt_prefix and repeated_prompts:
+        if self.shares_prefix(batch) if share_prefix is None else share_prefix:
             return self._shared_prefix_logits(model, batch)
         inputs = self._inputs(batch)
         # A 1-D logits_to_keep (columns kept in every row) is what every transformers 5.x
@@ -111,9 +119,9 @@ class ValueScorer(ResponseScorer):
     0 past each response. Same call as :class:`ResponseScorer`; no temperature, no entropy."""
 
     def __call__(self, model: PreTrainedModel, batch: TokenBatch, temperature: float, with_entropy: bool,
-                 entropy_grad: bool = True) -> tuple[torch.Tensor, None]:
+                 entropy_grad: bool = True, share_prefix: bool | None = None) -> tuple[torch.Tensor, None]:
         with self._autocast():
-            pieces, _, valid = self._response_logits(model, batch)
+            pieces, _, valid = self._response_logits(model, batch, share_prefix)
         values = torch.cat([piece[..., 0].float() for piece in pieces], dim=1)
         return values * valid.to(self.device), None
 

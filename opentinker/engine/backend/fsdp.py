@@ -36,7 +36,7 @@ from opentinker.engine.backend.base import (
     clip_gradients,
     loss_without_gradients,
 )
-from opentinker.engine.backend.forward import pad_to, scorer_for
+from opentinker.engine.backend.forward import ResponseScorer, pad_to, scorer_for
 from opentinker.engine.backend.lora import MergeEntry, add_adapters, merge_plan, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.backend.spec import BackendSpec
@@ -147,7 +147,8 @@ class FSDPRank:
 
     # -- primitives ----------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: TokenBatch, temperature: float, reference: bool, with_entropy: bool):
+    def forward(self, batch: TokenBatch, temperature: float, reference: bool, with_entropy: bool,
+                share_prefix: bool = False):
         import contextlib
 
         if reference and not self.options.with_reference:
@@ -155,16 +156,17 @@ class FSDPRank:
         model = self.reference if reference and self.reference is not None else self.model
         model.eval()
         with self.model.disable_adapter() if reference and self.options.lora else contextlib.nullcontext():
-            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy, entropy_grad=False)
+            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy, entropy_grad=False,
+                                            share_prefix=share_prefix)
         return logprobs.cpu(), None if entropy is None else entropy.cpu()
 
     def forward_backward(self, batch: TokenBatch, loss_fn: str, loss_config: Mapping[str, Any] | None,
-                         temperature: float, with_entropy: bool):
+                         temperature: float, with_entropy: bool, share_prefix: bool = False):
         spec, config = resolve_loss(loss_fn, loss_config)
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
         logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy,
-                                        entropy_grad=spec.needs_entropy(config))
+                                        entropy_grad=spec.needs_entropy(config), share_prefix=share_prefix)
         out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
         (out.loss * self.world_size).backward()  # FSDP averages gradients over the ranks; ours sum
         return (logprobs.detach().cpu(), out.elementwise.cpu(), out.metrics,
@@ -351,6 +353,10 @@ class FSDPBackend:
     def __init__(self, options: BackendSpec, *, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         self.world_size = options.ranks  # at least 1: BackendSpec checks it
         self._pg, self._ranks = place_ranks(FSDPRank, options, placement_timeout_s)
+        # Every rank must run the same number of model calls (FSDP gathers each layer's shards
+        # in each): the driver picks one layout for all shards of a batch.
+        self._layout = ResponseScorer(options.pad_token_id, torch.device("cpu"), options.use_remove_padding,
+                                      options.share_prompt_prefix and not options.gradient_checkpointing)
         self._call("ready")  # raises the first rank's construction error, if any
         self.step = 0
 
@@ -361,11 +367,17 @@ class FSDPBackend:
                  for i, rank in enumerate(self._ranks)]
         return ray.get(calls)
 
+    def _shares_prefix(self, shards: list[tuple[TokenBatch, int]]) -> bool:
+        """The prompt-once layout for every rank, or for none (then all run padded rows)."""
+        return all(self._layout.shares_prefix(shard) for shard, _ in shards)
+
     # -- primitives ----------------------------------------------------------------
     def forward(self, batch: TokenBatch, *, temperature: float = 1.0, reference: bool = False,
                 with_entropy: bool = False) -> ForwardOutput:
         shards = shard_rows(batch, self.world_size)
-        results = self._call("forward", per_rank=[(shard, temperature, reference, with_entropy) for shard, _ in shards])
+        share = self._shares_prefix(shards)
+        results = self._call("forward", per_rank=[(shard, temperature, reference, with_entropy, share)
+                                                  for shard, _ in shards])
         logprobs = _join([r[0] for r in results], shards, batch.response_width)
         entropy = _join([r[1] for r in results], shards, batch.response_width) if with_entropy else None
         return ForwardOutput(logprobs, entropy)
@@ -375,8 +387,9 @@ class FSDPBackend:
         spec, _ = resolve_loss(loss_fn, loss_config)  # refuse bad input here, not on every rank
         check_inputs(spec, batch.tensors, tuple(batch.response_mask.shape))
         shards = shard_rows(batch, self.world_size)
+        share = self._shares_prefix(shards)
         results = self._call("forward_backward", per_rank=[
-            (shard, loss_fn, loss_config, temperature, with_entropy) for shard, _ in shards])
+            (shard, loss_fn, loss_config, temperature, with_entropy, share) for shard, _ in shards])
         metrics: dict[str, float] = {}
         for _, _, rank_metrics, _ in results:
             for key, value in rank_metrics.items():
