@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import torch
 import pytest
 
 from opentinker.config import make_config
@@ -175,3 +176,36 @@ def test_grpo_through_the_http_env_server_raises_reward(tiny_model_dir):
           f"held-out greedy {before:.3f} -> {after:.3f}")
     assert after >= before + 0.1
     assert sum(rewards[-10:]) > sum(rewards[:10])
+
+
+def test_ppo_with_gae_trains_a_critic_on_multi_turn_episodes(tiny_model_dir):
+    """GAE over the model's tokens only: the env's tokens inside a response get no advantage and
+    no return, and the critic trains on the rest."""
+    with running_env_server(GuessNumberEnv) as urls:
+        interaction = GymEnvironmentInteraction({"env_endpoint": urls[0]})
+        trainer = RLTrainer(
+            make_config(["trainer.progress_bar=false", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                         "algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-3",
+                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
+                         "data.max_response_length=128", "data.train_batch_size=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4"]),
+            train_rows=data_free_rows(8, "guess"), interactions={"guess": interaction},
+        )
+        batches = []
+        real = trainer.compute_advantages
+
+        def compute_advantages(batch, rollout):
+            out = real(batch, rollout)
+            batches.append(batch)
+            return out
+
+        trainer.compute_advantages = compute_advantages
+        history = trainer.fit()
+        trainer.close()
+    mask = torch.cat([b.response_mask.flatten() for b in batches])
+    # Some response has an env turn (mask 0) before a later model turn (mask 1).
+    assert any(((b.response_mask[:, :-1] == 0) & (b.response_mask[:, 1:] == 1)).any() for b in batches)
+    for name in ("advantages", "returns"):
+        values = torch.cat([b.tensors[name].flatten() for b in batches])
+        assert not values[mask == 0].any() and values[mask == 1].abs().sum() > 0
+    assert all(m["critic/optimizer_steps"] == 1 and m["actor/optimizer_steps"] == 1 for m in history)
