@@ -145,6 +145,12 @@ DEFAULTS: dict[str, Any] = {
             "min_lr_ratio": 0.0,
         },
     },
+    "reward_model": {
+        # Seconds one reward-function call may take (single-turn tasks); a sample whose call
+        # runs longer is left out of the step, like one whose env failed, with a warning naming
+        # the function. 0: no deadline.
+        "timeout_s": 60.0,
+    },
     "algorithm": {
         "adv_estimator": "grpo",
         "norm_adv_by_std_in_grpo": True,
@@ -313,6 +319,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "critic.optim.lr_warmup_steps_ratio": (0, 1),
     "critic.optim.min_lr_ratio": (0, 1),
     "trainer.critic_warmup": (0, 100_000),
+    "reward_model.timeout_s": (0, 3600),
     "algorithm.gamma": (0, 1),
     "algorithm.lam": (0, 1),
     "algorithm.weight_power": (0, 10),

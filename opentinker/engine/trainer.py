@@ -18,6 +18,7 @@ answered with errors of its own, prompts too long) is skipped: it still counts
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +54,7 @@ from opentinker.engine.model_loading import (
 )
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.ppo import CriticUpdate, PPOUpdate, explained_variance
+from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
 from opentinker.engine.rollout import (
     AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
 )
@@ -122,6 +124,7 @@ class RLTrainer:
             val_rows = task_val if val_rows is None else val_rows
             reward_fn = reward_fn or task_reward
         self.reward_fn = reward_fn
+        self.reward_scorer = None if reward_fn is None else DeadlineScorer(reward_fn, cfg.reward_model.timeout_s)
 
         ar = cfg.actor_rollout_ref
         self.device = pick_device(cfg.trainer.device)
@@ -243,10 +246,19 @@ class RLTrainer:
             return Rollout(per_sample, trajectories, texts, names)
         completions = self.rollout.generate([p.prompt_ids for p in per_sample], params)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        trajectories = [
-            single_turn_trajectory(p.prompt_ids, c, float(self.reward_fn(text, p.row)))
-            for p, c, text in zip(per_sample, completions, texts)
-        ]
+        rewards = self.reward_scorer.score([(text, p.row) for p, text in zip(per_sample, texts)])
+        trajectories = [single_turn_trajectory(p.prompt_ids, c, 0.0 if reward is TIMED_OUT else reward)
+                        for p, c, reward in zip(per_sample, completions, rewards)]
+        timed_out = [i for i, reward in enumerate(rewards) if reward is TIMED_OUT]
+        for index in timed_out:  # left out of the step like a sample whose env failed
+            trajectories[index] = dataclasses.replace(
+                trajectories[index], excluded=True, stop_reason="reward_timeout",
+                info={"error": f"reward function {self.reward_scorer.name} timed out after "
+                               f"{self.reward_scorer.timeout_s:g} s"})
+        if timed_out:
+            self.on_warning(f"reward function {self.reward_scorer.name} ran past reward_model.timeout_s="
+                            f"{self.reward_scorer.timeout_s:g} s on {len(timed_out)} of {len(rewards)} samples; "
+                            "they are left out of this step")
         return Rollout(per_sample, trajectories, texts, [None] * len(per_sample))
 
     def to_batch(self, rollout: Rollout) -> TokenBatch:
@@ -360,6 +372,7 @@ class RLTrainer:
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
             "perf/tokens_per_s": self.token_count(batch) / (timer.seconds["step"] - waited),  # the wait is no work
             "rollout/excluded_trajectories": float(len(full_rollout.trajectories) - len(rollout.trajectories)),
+            "rollout/reward_timeouts": float(sum(t.stop_reason == "reward_timeout" for t in full_rollout.trajectories)),
             "train/skipped": 0.0,
             "train/skipped_total": float(self.skipped_steps),
             **outage_metrics,
