@@ -12,6 +12,7 @@ prompt is longer than ``max_prompt_length``.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 import uuid
@@ -151,6 +152,7 @@ class _Run:
         self.error: str | None = None
         self.error_url: str | None = None
         self.env_unreachable = False  # the env error was an outage (EnvironmentServerError.unreachable)
+        self.env_timeout = False  # a call ran past the interaction's deadline
 
     async def execute(self) -> Trajectory:
         try:
@@ -254,9 +256,20 @@ class _Run:
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
     async def _env_call(self, call: Awaitable):
+        """``call`` under the interaction's deadline: one that runs past it is an env error
+        (the trajectory is left out; the step goes on), naming the endpoint."""
         start = time.perf_counter()
+        deadline = self.interaction.call_deadline_s() if self.interaction is not None else None
         try:
-            return await call
+            if deadline is None:
+                return await call
+            try:
+                return await asyncio.wait_for(call, deadline)
+            except asyncio.TimeoutError:
+                self.env_timeout = True
+                endpoint = self.interaction.endpoint_for(self.instance_id or "")
+                raise EnvironmentServerError(endpoint, f"no answer within the interaction's deadline of {deadline:g} s "
+                                             "(timeout_s)") from None
         finally:
             self.env_seconds += time.perf_counter() - start
             self.env_calls += 1
@@ -299,6 +312,7 @@ class _Run:
             stop_reason=self.stop_reason,
             messages=self.messages,
             info={"env_seconds": self.env_seconds, "env_calls": self.env_calls, "error": self.error,
-                  "error_url": self.error_url, "env_unreachable": self.env_unreachable},
+                  "error_url": self.error_url, "env_unreachable": self.env_unreachable,
+                  "env_timeout": self.env_timeout},
             excluded=self.excluded,
         )

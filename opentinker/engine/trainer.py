@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
@@ -242,6 +243,10 @@ class RLTrainer:
         params = self.sampling_params(validation)
         if self.agent_loops is not None:
             trajectories, names = self.agent_loops.run(per_sample, params)
+            timed_out = Counter(t.info["error_url"] for t in trajectories if t.info.get("env_timeout"))
+            if timed_out:
+                self.on_warning("env calls ran past their interaction's timeout_s and those samples are left out: "
+                                + ", ".join(f"{url} x{count}" for url, count in timed_out.most_common()))
             texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
             return Rollout(per_sample, trajectories, texts, names)
         completions = self.rollout.generate([p.prompt_ids for p in per_sample], params)

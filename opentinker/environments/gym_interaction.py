@@ -341,6 +341,14 @@ class GymEnvironmentInteraction(Interaction):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def call_deadline_s(self) -> float:
+        """Every try's timeout plus every backoff sleep, and a second of slack: past it a call
+        (a server trickling its answer defeats httpx's per-phase timeouts) is given up."""
+        return self.timeout_s * (self.retries + 1) + self.backoff_s * (2 ** self.retries - 1) + 1.0
+
+    def endpoint_for(self, instance_id: str) -> str:
+        return self.shard_for(instance_id)
+
     def shard_for(self, instance_id: str) -> str:
         """The base URL serving ``instance_id``: stable across calls and processes."""
         return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]

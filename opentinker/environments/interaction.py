@@ -128,6 +128,17 @@ class Interaction(ABC):
         # Rewards returned by generate_response, per instance (for the default calculate_score).
         self._rewards: dict[str, list[float]] = {}
 
+    def call_deadline_s(self) -> float | None:
+        """How long one call (start, step, score, ...) may take in all, retries included,
+        before the agent loop gives it up as an env error (None: no deadline). The config's
+        ``timeout_s`` when given (``name`` and ``timeout_s`` are read here for every class)."""
+        value = self.config.get("timeout_s")
+        return None if value is None else float(value)
+
+    def endpoint_for(self, instance_id: str) -> str:
+        """What to name in errors about ``instance_id``'s calls (a URL for a server)."""
+        return f"interaction {self.name!r}"
+
     @classmethod
     def create(cls, config: dict[str, Any] | None, context: InteractionContext | None = None) -> Interaction:
         """Build an instance for a job (what :class:`~opentinker.environments.registry.InteractionRegistry`

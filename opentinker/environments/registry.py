@@ -170,10 +170,16 @@ class InteractionRegistry:
         classes = [self.resolve(spec.class_path) for spec in parsed]
         for spec, cls in zip(parsed, classes):
             known = cls.config_keys
-            unknown = sorted(set(spec.config) - known - {"name"}) if known is not None else []
+            unknown = sorted(set(spec.config) - known - {"name", "timeout_s"}) if known is not None else []
             if unknown:
                 raise ValueError(f"config: unknown key(s) {unknown} for {spec.class_path} (it takes: "
                                  f"{', '.join(sorted(known))})")
+        for spec in parsed:
+            timeout = spec.config.get("timeout_s")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not 0 < timeout <= 3600):
+                raise ValueError(f"config.timeout_s of interaction {spec.name!r}: {timeout!r} is not a number of "
+                                 "seconds in (0, 3600]")
         return {
             spec.name: cls.create({**spec.config, "name": spec.name}, context) for spec, cls in zip(parsed, classes)
         }

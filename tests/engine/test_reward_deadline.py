@@ -1,7 +1,8 @@
-"""Reward functions with a deadline: a call that hangs costs its sample, never the step."""
+"""Reward functions and env calls with a deadline: a call that hangs costs its sample, never the step."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -10,6 +11,7 @@ import pytest
 from opentinker.config import make_config
 from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer, RewardTimeoutError
 from opentinker.engine.trainer import RLTrainer
+from opentinker.environments.interaction import Interaction
 
 NEVER = threading.Event()  # never set: a call waiting on it hangs forever
 
@@ -70,3 +72,46 @@ def test_a_reward_function_that_hangs_on_one_sample_in_64_costs_that_sample_only
     assert metrics["actor/optimizer_steps"] == 1 and metrics["train/skipped"] == 0.0
     assert len(warnings) == 1 and "sometimes_hangs" in warnings[0] and "1 of 64 samples" in warnings[0]
     trainer.close()
+
+
+class SometimesHangs(Interaction):
+    """One turn; the third episode's step never answers."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.episodes = 0
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        self.episodes += 1
+        if self.episodes == 3:
+            self._rewards[instance_id] = None  # marks the one that hangs
+        return await super().start_interaction(instance_id, **kwargs)
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        if instance_id in self._rewards and self._rewards[instance_id] is None:
+            await asyncio.Event().wait()  # forever
+        return True, "", 1.0, {}
+
+
+def test_an_env_call_past_the_interactions_timeout_costs_that_sample_only(tiny_model_dir):
+    from opentinker.environments.registry import InteractionRegistry
+
+    with pytest.raises(ValueError, match="timeout_s of interaction 'slow'"):
+        registry = InteractionRegistry()
+        registry.register("hangs", SometimesHangs)
+        registry.build([{"name": "slow", "class_path": "hangs", "config": {"timeout_s": -1}}])
+    warnings = []
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "extra_info": {"interaction_kwargs": {"name": "slow"}}}
+            for _ in range(8)]
+    trainer = RLTrainer(make_config(["trainer.progress_bar=false", "trainer.test_freq=-1", "data.train_batch_size=2",
+                                     "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                     "trainer.total_training_steps=1",
+                                     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=1"]),
+                        train_rows=rows, interactions={"slow": SometimesHangs({"name": "slow", "timeout_s": 1})})
+    trainer.on_warning = warnings.append
+    [metrics] = trainer.fit()
+    trainer.close()
+    assert metrics["env/slow/env_errors"] == 1 and metrics["rollout/excluded_trajectories"] == 1
+    assert metrics["actor/optimizer_steps"] == 1
+    assert warnings == ["env calls ran past their interaction's timeout_s and those samples are left out: "
+                        "interaction 'slow' x1"]
