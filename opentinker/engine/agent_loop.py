@@ -276,8 +276,9 @@ class _Run:
 
     async def _finalize(self) -> None:
         if self.interaction is not None and self.instance_id is not None:
-            try:
-                await self.interaction.finalize_interaction(self.instance_id)
+            try:  # under the same deadline as every other call: a finalize that hangs must not hold the step
+                await asyncio.wait_for(self.interaction.finalize_interaction(self.instance_id),
+                                       self.interaction.call_deadline_s())
             except Exception as error:  # finalizing must never hide the trajectory
                 self.error = self.error or f"finalize failed: {error}"
 
