@@ -161,6 +161,20 @@ DEFAULTS: dict[str, Any] = {
         "enable_solution_classification": False,  # ask the strategy judge for labels
         "classify_only_correct": True,  # only responses with reward > 0 are grouped; others weigh 1
         "weight_positive_only": False,  # mul: weight positive advantages only
+        # Importance correction of the gap between the policy that sampled (the rollout engine's
+        # logprobs) and the one being trained (verl's keys): weights exp(old - rollout), token
+        # or sequence level, truncated at rollout_is_threshold (rollout_is), and/or tokens or
+        # sequences whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold]
+        # masked out of the loss (rollout_rs). bypass_mode: the rollout's logprobs are the old
+        # ones (no recompute; the weights are then 1).
+        "rollout_correction": {
+            "rollout_is": None,  # None | token | sequence
+            "rollout_is_threshold": 2.0,
+            "rollout_rs": None,  # None | token | sequence | geometric
+            "rollout_rs_threshold": None,  # upper bound of the ratio kept; required with rollout_rs
+            "rollout_rs_threshold_lower": None,  # None: 1 / rollout_rs_threshold
+            "bypass_mode": False,
+        },
         "judge": {
             "kind": "lexical",  # openai | hf | lexical (no model)
             "model": None,  # openai: chat model name; hf: a local model folder or hub name
@@ -169,6 +183,13 @@ DEFAULTS: dict[str, Any] = {
             "timeout_s": 60.0,
             "max_retries": 3,
         },
+    },
+    # Off-policy asynchronous training (verl's one-step-off-policy / fully-async trainers): the
+    # rollouts of the next max_staleness steps run in their own process while this step
+    # updates; a sample trains at most max_staleness policy versions after the one that drew it.
+    # 0: the synchronous loop.
+    "async_training": {
+        "max_staleness": 0,
     },
     "trainer": {
         "total_training_steps": 20,
@@ -231,6 +252,10 @@ TYPES: dict[str, type] = {
     "trainer.default_local_dir": str,
     "critic.strategy": str,
     "critic.model.path": str,
+    "algorithm.rollout_correction.rollout_is": str,
+    "algorithm.rollout_correction.rollout_rs": str,
+    "algorithm.rollout_correction.rollout_rs_threshold": float,
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": float,
 }
 
 #: Keys whose value is one of a few names (for a list-valued key: each item). Registries of
@@ -258,6 +283,8 @@ CHOICES: dict[str, list[str]] = {
         "reinforce_plus_plus", "reinforce_plus_plus_baseline",
     ],
     "algorithm.judge.kind": ["openai", "hf", "lexical"],
+    "algorithm.rollout_correction.rollout_is": ["token", "sequence"],
+    "algorithm.rollout_correction.rollout_rs": ["token", "sequence", "geometric"],
     "trainer.device": ["auto", "cpu", "cuda"],
     "trainer.logger": ["console", "wandb"],
 }
@@ -326,6 +353,10 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "algorithm.judge.max_concurrency": (1, 64),
     "algorithm.judge.timeout_s": (0, 600),
     "algorithm.judge.max_retries": (0, 10),
+    "algorithm.rollout_correction.rollout_is_threshold": (1, 1e6),
+    "algorithm.rollout_correction.rollout_rs_threshold": (1, 1e6),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": (0, 1),
+    "async_training.max_staleness": (0, 16),
     "trainer.total_training_steps": (1, 100_000),
     "trainer.n_gpus_per_node": (0, 64),
     "trainer.nnodes": (1, 1024),
@@ -347,6 +378,7 @@ _ABOVE_LOW = {
     "actor_rollout_ref.rollout.top_p",
     "actor_rollout_ref.rollout.gpu_memory_utilization",
     "algorithm.judge.timeout_s",
+    "algorithm.rollout_correction.rollout_rs_threshold_lower",
 }
 MAX_STRING_CHARS = 1024  # any string value
 MAX_LIST_ITEMS = 16  # any list value
@@ -592,6 +624,12 @@ def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None
         raise ConfigError(
             "actor_rollout_ref.actor.strategy=fsdp needs trainer.n_gpus_per_node >= 1 (ranks per node; with "
             "trainer.device=cpu, CPU processes)"
+        )
+    correction = cfg.algorithm.rollout_correction
+    if correction.rollout_rs is not None and correction.rollout_rs_threshold is None:
+        raise ConfigError(
+            f"algorithm.rollout_correction.rollout_rs={correction.rollout_rs} needs "
+            "algorithm.rollout_correction.rollout_rs_threshold (the largest ratio kept, e.g. 2.0)"
         )
     betas = list(cfg.actor_rollout_ref.actor.optim.betas)
     if len(betas) != 2 or not all(_type_ok(float, b) and 0 <= b < 1 for b in betas):

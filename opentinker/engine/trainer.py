@@ -40,6 +40,8 @@ from opentinker.engine.agent_runner import (
     single_turn_trajectory,
 )
 from opentinker.engine.algorithms import get_advantage_estimator, masked_mean
+from opentinker.engine.algorithms.rollout_correction import rollout_correction
+from opentinker.engine.async_rollouts import RolloutPipeline
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
@@ -142,7 +144,10 @@ class RLTrainer:
         self.ppo = PPOUpdate(self.backend, cfg, seed=cfg.trainer.seed)
         # PPO with GAE learns a value model beside the policy (the critic).
         self.critic = self._make_critic() if cfg.algorithm.adv_estimator == "gae" else None
+        # async_training.max_staleness > 0: rollouts run ahead of the update (RolloutPipeline).
+        self.max_staleness = int(cfg.async_training.max_staleness)
         self.rollout: RolloutEngine = self._make_rollout_engine()
+        self.pipeline: RolloutPipeline | None = None  # started by the first asynchronous step
         self.agent_loops: AgentLoopRunner | None = None
         if self.interactions:
             multi_turn = ar.rollout.multi_turn
@@ -196,6 +201,10 @@ class RLTrainer:
     def _make_rollout_engine(self) -> RolloutEngine:
         ar = self.cfg.actor_rollout_ref
         if ar.rollout.name == "vllm":
+            if self.max_staleness and self.device.type == "cuda" and ar.rollout.placement == "colocated":
+                raise ConfigError("async_training.max_staleness > 0 with vLLM on a GPU needs "
+                                  "actor_rollout_ref.rollout.placement=separate (a colocated engine sleeps "
+                                  "while the update runs; an asynchronous one keeps generating)")
             return make_rollout_engine(
                 "vllm",
                 model_path=self.model_path,
@@ -210,6 +219,12 @@ class RLTrainer:
                 device=self.device.type,
                 trust_remote_code=ar.model.trust_remote_code,
             )
+        if self.max_staleness:  # in a process of its own, so that it runs during the update
+            from opentinker.engine.rollout.remote import RemoteRolloutEngine
+
+            return RemoteRolloutEngine(
+                str(self.model_path), seed=self.cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size,
+                threads=1, device=self.device.type, trust_remote_code=ar.model.trust_remote_code)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, trust_remote_code=ar.model.trust_remote_code)
         return make_rollout_engine(
@@ -355,10 +370,17 @@ class RLTrainer:
         """
         timer = Timer()
         with timer.phase("step"):
-            # Drawn once: a step redone after an outage trains on the same prompts, and the
-            # loader (whose position a checkpoint saves) advances once per step as always.
-            prompts = next(self.loader) if rows is None else self.tokenize_batch(rows)
-            full_rollout, outage = self.rollout_through_outages(prompts, timer)
+            if self.max_staleness:
+                if rows is not None:
+                    raise ConfigError("async_training.max_staleness > 0 draws each step's prompts ahead of "
+                                      "the step; a client-pushed batch trains with max_staleness=0")
+                full_rollout, outage, version = self.next_async_rollout(timer)
+            else:
+                # Drawn once: a step redone after an outage trains on the same prompts, and the
+                # loader (whose position a checkpoint saves) advances once per step as always.
+                prompts = next(self.loader) if rows is None else self.tokenize_batch(rows)
+                full_rollout, outage = self.rollout_through_outages(prompts, timer)
+                version = self.global_step
             # Removed before advantages, so excluded samples never shift a group's mean or std.
             rollout = full_rollout.keep(full_rollout.trainable())
             if rollout.trajectories:
@@ -366,8 +388,11 @@ class RLTrainer:
         waited = timer.seconds.get("env_outage_wait", 0.0)  # sleeping and probing, not the failed tries
         outage_metrics = {"train/env_outage_wait_s": waited,
                           "train/env_outage_retries": float(outage.tries if outage else 0)}
+        # Policy versions between the one that sampled and the one this step started from.
+        staleness = {"staleness/mean": float(self.global_step - version),
+                     "staleness/max": float(self.global_step - version)}
         if not rollout.trajectories:
-            return {**self.skip_step(full_rollout, timer), **outage_metrics}
+            return {**self.skip_step(full_rollout, timer), **outage_metrics, **staleness}
         self.global_step += 1
         self.consecutive_skipped_steps = 0
         return {
@@ -381,7 +406,31 @@ class RLTrainer:
             "train/skipped": 0.0,
             "train/skipped_total": float(self.skipped_steps),
             **outage_metrics,
+            **staleness,
         }
+
+    def next_async_rollout(self, timer: Timer) -> tuple[Rollout, EnvOutage | None, int]:
+        """This step's rollout from the pipeline (launched up to ``max_staleness`` steps ago),
+        the version it sampled with; the pipeline then runs the next steps' rollouts."""
+        if self.pipeline is None:
+            self.pipeline = RolloutPipeline(self.rollout, self.max_staleness, self._draw_prompts,
+                                            self._rollout_in_pipeline)
+            self.pipeline.pushed_version = self.global_step  # the engine holds this step's weights
+        self.pipeline.fill(self.global_step + 1)
+        with timer.phase("rollout_wait"):
+            (full_rollout, outage, seconds), version = self.pipeline.next()
+        for name, value in seconds.items():  # the rollout's own phases, run beside earlier updates
+            timer.seconds[name] = timer.seconds.get(name, 0.0) + value
+        return full_rollout, outage, version
+
+    def _draw_prompts(self) -> tuple[list[Prompt], Any]:
+        state = self.loader.state_dict()
+        return next(self.loader), state
+
+    def _rollout_in_pipeline(self, prompts: Sequence[Prompt]) -> tuple[Rollout, EnvOutage | None, dict[str, float]]:
+        timer = Timer()
+        full_rollout, outage = self.rollout_through_outages(prompts, timer)
+        return full_rollout, outage, timer.seconds
 
     def rollout_through_outages(self, prompts: Sequence[Prompt], timer: Timer) -> tuple[Rollout, EnvOutage | None]:
         """The step's rollout; while it has nothing to train on because env servers could not
@@ -423,8 +472,13 @@ class RLTrainer:
         cfg = self.cfg
         temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
         batch = self.to_batch(rollout)
-        self.rollout.sleep()  # a colocated GPU engine gives its memory to training until the sync
-        if self.ppo.needs_old_logprobs(batch):  # decided by the batch actually trained
+        if not self.max_staleness:
+            self.rollout.sleep()  # a colocated GPU engine gives its memory to training until the sync
+        correction = cfg.algorithm.rollout_correction
+        if correction.bypass_mode:  # the sampler's logprobs are the old ones (no recompute)
+            batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"].clone()
+        elif (self.ppo.needs_old_logprobs(batch) or self.max_staleness  # decided by the batch actually trained
+              or correction.rollout_is is not None or correction.rollout_rs is not None):
             with timer.phase("old_logprob"):
                 batch.tensors["old_logprobs"] = self.ppo.logprobs(batch, temperature=temperature)
         if cfg.actor_rollout_ref.actor.use_kl_loss:
@@ -439,14 +493,40 @@ class RLTrainer:
         if self.critic is not None:
             with timer.phase("update_critic"):
                 update_metrics.update(self.critic.update(batch))
+        actor_batch, correction_metrics = self.corrected(batch)
         # trainer.critic_warmup: the first steps train the critic alone.
         if self.critic is None or self.global_step >= cfg.trainer.critic_warmup:
             with timer.phase("update"):
-                update_metrics.update(self.ppo.update(batch, temperature=temperature))
+                update_metrics.update(self.ppo.update(actor_batch, temperature=temperature))
         with timer.phase("sync"):
-            self.rollout.wake()
-            self.sync_weights()
-        return batch, {**adv_metrics, **update_metrics}
+            if self.pipeline is not None:  # applied between the rollouts already running
+                self.pipeline.push_weights(self.global_step + 1, self.backend.weights())
+            else:
+                self.rollout.wake()
+                self.sync_weights()
+        return batch, {**adv_metrics, **correction_metrics, **update_metrics}
+
+    def corrected(self, batch: TokenBatch) -> tuple[TokenBatch, dict[str, float]]:
+        """The batch the actor trains on: with ``algorithm.rollout_correction``, IS weights
+        (``rollout_is_weights``) and/or a response mask without the rejected tokens; and the
+        gap between sampler and trainer (IS-weight statistics at the configured level, token
+        level when IS is off) whenever the old logprobs were recomputed."""
+        correction = self.cfg.algorithm.rollout_correction
+        if "old_logprobs" not in batch.tensors or correction.bypass_mode:
+            return batch, {}
+        is_weights, rs_mask, metrics = rollout_correction(
+            batch.tensors["old_logprobs"], batch.tensors["rollout_logprobs"], batch.response_mask,
+            rollout_is=correction.rollout_is or "token", is_threshold=correction.rollout_is_threshold,
+            rollout_rs=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
+            rs_lower=correction.rollout_rs_threshold_lower)
+        if correction.rollout_is is None and rs_mask is None:
+            return batch, metrics
+        actor_batch = dataclasses.replace(batch, tensors=dict(batch.tensors))
+        if correction.rollout_is is not None:
+            actor_batch.tensors["rollout_is_weights"] = is_weights
+        if rs_mask is not None:
+            actor_batch.response_mask = rs_mask
+        return actor_batch, metrics
 
     def skip_step(self, full_rollout: Rollout, timer: Timer) -> dict[str, Any]:
         """A step with nothing to train on though its env servers answer (they answered with
@@ -466,6 +546,8 @@ class RLTrainer:
             )
         self.global_step += 1
         self.skipped_steps += 1
+        if self.pipeline is not None:  # no update: the engine's weights are this step's policy
+            self.pipeline.push_weights(self.global_step, None)
         return {
             **environment_metrics(full_rollout),
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
@@ -509,7 +591,10 @@ class RLTrainer:
         if not self.val_prompts:
             return {}
         samples = self.cfg.actor_rollout_ref.rollout.val_n
-        rollout = self.generate(self.val_prompts, samples, validation=True)
+        if self.pipeline is not None:  # after the rollouts in flight, with the newest weights
+            rollout = self.pipeline.call(self.generate, self.val_prompts, samples, True)
+        else:
+            rollout = self.generate(self.val_prompts, samples, validation=True)
         groups = [  # the rewards of each prompt's samples that count
             [t.reward for t in rollout.trajectories[i:i + samples] if not t.excluded]
             for i in range(0, len(rollout.trajectories), samples)
@@ -549,13 +634,19 @@ class RLTrainer:
     def trainer_state(self) -> dict[str, Any]:
         """What, besides the backend's state, a run needs to continue exactly as it would have."""
         rollout_rng = getattr(self.rollout, "rng_state", None)
+        loader = self.loader.state_dict()
+        if self.pipeline is not None:
+            # Asynchronous: the prompts of rollouts in flight are drawn again after a resume, and
+            # the sampler's state mid-flight is not saved (a resumed run samples differently).
+            loader = self.pipeline.oldest_loader_state or loader
+            rollout_rng = None
         return {
             "global_step": self.global_step,
             "ppo_updates": self.ppo.updates,
             "ppo_shuffle": self.ppo._shuffle.get_state(),
             "skipped_steps": self.skipped_steps,
             "consecutive_skipped_steps": self.consecutive_skipped_steps,
-            "loader": self.loader.state_dict(),
+            "loader": loader,
             "rollout_rng": rollout_rng() if callable(rollout_rng) else None,
             "critic_updates": None if self.critic is None else self.critic.updates,
             "critic_shuffle": None if self.critic is None else self.critic._shuffle.get_state(),
@@ -643,7 +734,10 @@ class RLTrainer:
             self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
-        """Stop the agent-loop threads and the wandb run (the trainer is unusable afterwards)."""
+        """Stop the rollout pipeline, the agent-loop threads and the wandb run (the trainer is
+        unusable afterwards)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.agent_loops is not None:
             self.agent_loops.close()
         close_rollout = getattr(self.rollout, "close", None)

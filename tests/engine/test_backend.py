@@ -166,6 +166,25 @@ def test_cispo_gradient_treats_the_clipped_ratio_as_a_constant(make_backend, bat
     assert_close_grads(grads(cispo.model), grads(reference.model))
 
 
+def test_rollout_is_weights_scale_each_tokens_policy_term_not_the_kl(make_backend, batch):
+    """rl_policy with rollout_is_weights: the policy loss of each token times its weight; the KL
+    term to the reference is not weighted."""
+    backend = make_backend()
+    logprobs = backend.forward(batch).logprobs
+    _tinker_inputs(batch, logprobs)
+    config = {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"}
+    batch.tensors["ref_logprobs"] = batch.tensors["old_logprobs"] - 0.1
+    plain = backend.forward_backward(batch, "rl_policy", config)
+    generator = torch.Generator().manual_seed(5)
+    batch.tensors["rollout_is_weights"] = torch.rand(batch.response_mask.shape, generator=generator) * 2
+    weighted = backend.forward_backward(batch, "rl_policy", config)
+    kl = 0.1 * (logprobs - batch.tensors["ref_logprobs"])
+    expected = (plain.elementwise_loss - kl) * batch.tensors["rollout_is_weights"] + kl
+    mask = batch.response_mask
+    assert torch.allclose(weighted.elementwise_loss * mask, expected * mask, atol=1e-5)
+    assert not torch.allclose(weighted.elementwise_loss * mask, plain.elementwise_loss * mask, atol=1e-3)
+
+
 def test_gradients_accumulate_across_calls_until_the_step(make_backend, batch):
     whole, pieces = make_backend(), make_backend()
     whole.forward_backward(batch, "cross_entropy")

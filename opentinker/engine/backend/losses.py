@@ -17,7 +17,9 @@ Built in (the Tinker API's semantics, ``r = exp(logprobs - old_logprobs)``):
   :mod:`opentinker.engine.algorithms.policy_losses` (``policy_loss``: vanilla | gspo | cispo,
   with ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``), plus
   ``kl_loss_coef * KL(kl_loss_type)`` to ``ref_logprobs`` when ``use_kl_loss``, minus
-  ``entropy_coeff * entropy``. Without ``old_logprobs`` the ratio is 1 (on-policy).
+  ``entropy_coeff * entropy``. Without ``old_logprobs`` the ratio is 1 (on-policy). With a
+  ``rollout_is_weights`` input (the trainer's rollout correction) the policy term of each
+  token is multiplied by its weight.
 - ``value``: a value model's clipped loss against ``returns`` (``old_values``,
   ``cliprange_value``); the backend's per-token outputs are then values, not logprobs.
 """
@@ -172,6 +174,8 @@ def rl_policy(logprobs, inputs, config, entropy):
         clip_ratio=config["clip_ratio"], clip_ratio_low=config["clip_ratio_low"],
         clip_ratio_high=config["clip_ratio_high"], clip_ratio_c=config["clip_ratio_c"],
     )
+    if "rollout_is_weights" in inputs:  # the rollout correction's IS weights (constants)
+        losses = losses * inputs["rollout_is_weights"]
     stats = {**stats, "pg_loss": losses.detach()}
     if config["entropy_coeff"]:
         losses = losses - config["entropy_coeff"] * entropy
