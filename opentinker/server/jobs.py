@@ -325,8 +325,9 @@ class JobManager:
 
     def placement_problem(self, cfg: Any) -> str | None:
         """Why the Ray cluster could never place the job's FSDP ranks (one GPU each, or one
-        CPU each on CPU), or None. Checked against the cluster's total, not what is free now:
-        a job that must wait for other jobs to end is fine, one that can never start is not."""
+        CPU each on CPU; with trainer.nnodes > 1, n_gpus_per_node on each of that many nodes),
+        or None. Checked against the cluster's total, not what is free now: a job that must
+        wait for other jobs to end is fine, one that can never start is not."""
         if cfg.actor_rollout_ref.actor.strategy != "fsdp":
             return None
         ranks = int(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
@@ -334,10 +335,18 @@ class JobManager:
         gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and total.get("GPU", 0) > 0)
         resource = "GPU" if gpu else "CPU"
         have = total.get(resource, 0)
-        if have >= ranks:
-            return None
-        return (f"actor_rollout_ref.actor.strategy=fsdp with trainer.nnodes x trainer.n_gpus_per_node = {ranks} "
-                f"ranks needs {ranks} {resource} in this server's Ray cluster, which has {have:g}")
+        if have < ranks:
+            return (f"actor_rollout_ref.actor.strategy=fsdp with trainer.nnodes x trainer.n_gpus_per_node = {ranks} "
+                    f"ranks needs {ranks} {resource} in this server's Ray cluster, which has {have:g}")
+        nodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+        if nodes > 1:  # the ranks go n_gpus_per_node on each of nnodes distinct nodes (backend/fsdp.py)
+            fit = sum(1 for node in ray.nodes() if node.get("Alive") and all(
+                node.get("Resources", {}).get(key, 0) >= per_node for key in {resource, "CPU"}))
+            if fit < nodes:
+                return (f"trainer.nnodes={nodes} spreads the FSDP ranks over {nodes} distinct nodes, {per_node} on "
+                        f"each, which needs {nodes} nodes with {per_node} {resource} each in this server's Ray "
+                        f"cluster; it has {fit}")
+        return None
 
     def running_count(self, user_id: int) -> int:
         return sum(1 for job in self._active.values() if job.user_id == user_id)

@@ -269,6 +269,13 @@ def test_fsdp_jobs_the_cluster_cannot_place_are_refused_at_creation(alice):
         "64 CPU in this server's Ray cluster, which has 4")
     gpu = {**config, "trainer.device": "cuda", "trainer.n_gpus_per_node": 2}
     assert "needs 2 GPU in this server's Ray cluster, which has 0" in alice.post("/v1/jobs", json={"config": gpu}).text
+    # Enough CPUs, but the test session's Ray is one node: two nodes of one rank each cannot be.
+    nodes = {**config, "trainer.nnodes": 2, "trainer.n_gpus_per_node": 1}
+    response = alice.post("/v1/jobs", json={"config": nodes})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == (
+        "trainer.nnodes=2 spreads the FSDP ranks over 2 distinct nodes, 1 on each, which needs 2 nodes with 1 CPU "
+        "each in this server's Ray cluster; it has 1")
 
 
 def test_a_stopped_job_resumes_from_its_last_checkpoint(alice, server, helpers):

@@ -1,11 +1,13 @@
 """``FSDPBackend``: the training primitives on N ranks, each a Ray actor holding an FSDP2 shard.
 
-The ranks sit in a placement group (``BackendSpec.ranks`` bundles, for a PPO job
-``trainer.nnodes`` x ``trainer.n_gpus_per_node``: one GPU each, or one CPU each on CPU) and form a process group (nccl on
-GPU, gloo on CPU). Each rank builds its own model: rank 0 loads the checkpoint, the others
-build on the meta device; every decoder layer and then the root are wrapped with
-``fully_shard``; the weights reach the other ranks from rank 0 (``set_model_state_dict``
-with ``broadcast_from_rank0``), so every rank ends up holding only its shard. The frozen
+The ranks sit in a placement group (``BackendSpec.ranks`` of them, for a PPO job
+``trainer.nnodes`` x ``trainer.n_gpus_per_node``: one GPU each, or one CPU each on CPU; with
+``trainer.nnodes`` > 1 ``n_gpus_per_node`` on each of that many distinct Ray nodes) and form a
+process group (nccl on GPU, gloo on CPU) at rank 0's node. Each rank builds its own model:
+rank 0 loads the checkpoint, the others build on the meta device (both read the model folder
+on their own node); every decoder layer and then the root are wrapped with ``fully_shard``;
+the weights reach the other ranks from rank 0 (``set_model_state_dict`` with
+``broadcast_from_rank0``), so every rank ends up holding only its shard. The frozen
 reference model is sharded the same way on the same ranks.
 
 The driver (this object) splits each batch into contiguous row shards, one per rank, and
@@ -144,6 +146,12 @@ class FSDPRank:
 
     def ready(self) -> int:
         return self.rank
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     # -- primitives ----------------------------------------------------------------
     @torch.no_grad()
@@ -310,41 +318,76 @@ def place_ranks(rank_class: type, options: BackendSpec, placement_timeout_s: flo
                 *extra: Any) -> tuple[Any, list[Any]]:
     """``options.ranks`` actors of ``rank_class`` in a placement group (one GPU, or one CPU on
     CPU, each), made as ``rank_class(rank, world_size, master_addr, master_port, options,
-    *extra)`` with ``options.device`` resolved to cpu or cuda. Returns the group and the actors."""
+    *extra)`` with ``options.device`` resolved to cpu or cuda. With ``options.nodes`` > 1
+    (``trainer.nnodes``) they sit ``ranks / nodes`` on each of that many distinct Ray nodes
+    (ranks 0 to ``ranks / nodes - 1`` on one of them, and so on). Returns the group and the actors."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
-    world_size = options.ranks
+    world_size, nodes = options.ranks, options.nodes
+    per_node = world_size // nodes
     cuda = options.device == "cuda" or (options.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     options = dataclasses.replace(options, device="cuda" if cuda else "cpu")
+    resource = "GPU" if cuda else "CPU"
     bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
-    group = placement_group([bundle] * world_size, strategy="PACK")
+    if nodes == 1:
+        group = placement_group([bundle] * world_size, strategy="PACK")
+        bundle_of = list(range(world_size))
+    else:
+        # One bundle per node holding that node's ranks, STRICT_SPREAD: exactly `nodes` distinct
+        # nodes, `per_node` ranks on each, numbered node by node as torchrun does. (A bundle per
+        # rank with STRICT_SPREAD would need a node per rank; SPREAD only tries to spread.)
+        node_bundle = {key: value * per_node for key, value in bundle.items()}
+        _check_enough_nodes(nodes, node_bundle, resource)
+        group = placement_group([node_bundle] * nodes, strategy="STRICT_SPREAD")
+        bundle_of = [rank // per_node for rank in range(world_size)]
     try:
         ray.get(group.ready(), timeout=placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         available = ray.available_resources()
-        resource = "GPU" if cuda else "CPU"
+        where = f" on {nodes} nodes ({per_node} on each, trainer.nnodes)" if nodes > 1 else ""
         raise RuntimeError(
-            f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each (trainer.nnodes x "
+            f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each{where} (trainer.nnodes x "
             f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"
         ) from None
     remote = ray.remote(rank_class)
-    # Rank 0's node, which may not be this one (trainer.nnodes > 1).
+    # Rank 0's node, which may not be this one (trainer.nnodes > 1). On one machine running
+    # several Ray nodes they all share its address: the free port makes the rendezvous unique.
     master_addr, master_port = ray.get(ray.remote(_rendezvous_address).options(
         num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
     ).remote())
     ranks = [
         remote.options(
             num_cpus=1, num_gpus=1 if cuda else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_of[rank]),
         ).remote(rank, world_size, master_addr, master_port, options, *extra)
         for rank in range(world_size)
     ]
     return group, ranks
+
+
+def _check_enough_nodes(nodes: int, node_bundle: dict[str, float], resource: str) -> None:
+    """Fail at once, naming ``trainer.nnodes`` and the cluster's nodes, when fewer than
+    ``nodes`` alive Ray nodes could each hold ``node_bundle`` (a STRICT_SPREAD group would
+    otherwise wait for its timeout). Counts the nodes' totals: busy nodes are waited for."""
+    import ray
+
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    fit = [node for node in alive
+           if all(node.get("Resources", {}).get(key, 0) >= value for key, value in node_bundle.items())]
+    if len(fit) >= nodes:
+        return
+    per_node = int(node_bundle[resource])
+    have = ", ".join(f"{node.get('NodeManagerAddress', '?')}: {node.get('Resources', {}).get(resource, 0):g} {resource}"
+                     for node in alive)
+    raise RuntimeError(
+        f"trainer.nnodes={nodes} spreads the FSDP ranks over {nodes} distinct Ray nodes, {per_node} on each "
+        f"(trainer.n_gpus_per_node), which needs {nodes} nodes with {per_node} {resource} each; the Ray cluster "
+        f"has {len(fit)} ({len(alive)} alive: {have})")
 
 
 class FSDPBackend:
@@ -358,6 +401,7 @@ class FSDPBackend:
         self._layout = ResponseScorer(options.pad_token_id, torch.device("cpu"), options.use_remove_padding,
                                       options.share_prompt_prefix and not options.gradient_checkpointing)
         self._call("ready")  # raises the first rank's construction error, if any
+        self.rank_node_ids: list[str] = self._call("node_id")  # the Ray node of each rank, in rank order
         self.step = 0
 
     def _call(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:

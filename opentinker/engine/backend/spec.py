@@ -19,15 +19,17 @@ STRATEGIES = ("local", "fsdp")
 @dataclass(frozen=True)
 class BackendSpec:
     """The model (``model_path``: a folder), how it trains (``lora``: None for full fine-tuning)
-    and where: ``strategy`` local (this process) or fsdp (``ranks`` FSDP2 ranks as Ray actors);
-    ``device`` cpu | cuda | auto (the ranks' own, for fsdp). The rest are the batch and memory
-    options of :class:`~opentinker.engine.backend.local.LocalBackend` and the FSDP ranks."""
+    and where: ``strategy`` local (this process) or fsdp (``ranks`` FSDP2 ranks as Ray actors,
+    ``ranks / nodes`` on each of ``nodes`` distinct Ray nodes); ``device`` cpu | cuda | auto (the
+    ranks' own, for fsdp). The rest are the batch and memory options of
+    :class:`~opentinker.engine.backend.local.LocalBackend` and the FSDP ranks."""
 
     model_path: str
     pad_token_id: int
     lora: LoraSettings | None = None
     strategy: str = "local"
     ranks: int = 1
+    nodes: int = 1  # fsdp: the ranks spread over this many Ray nodes (trainer.nnodes), ranks / nodes each
     device: str = "auto"
     trust_remote_code: bool = False
     with_reference: bool = False  # a frozen reference policy (for a KL term); with LoRA: the adapters off
@@ -44,6 +46,9 @@ class BackendSpec:
             raise ValueError(f"strategy: unknown strategy {self.strategy!r} ({' | '.join(STRATEGIES)})")
         if self.ranks < 1 or (self.strategy == "local" and self.ranks != 1):
             raise ValueError(f"ranks: {self.ranks} with strategy {self.strategy!r} (local: 1; fsdp: 1 or more)")
+        if self.nodes < 1 or self.ranks % self.nodes or (self.strategy == "local" and self.nodes != 1):
+            raise ValueError(f"nodes: {self.nodes} with {self.ranks} ranks and strategy {self.strategy!r} "
+                             "(local: 1; fsdp: a divisor of ranks, the same number of ranks on each node)")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: {self.device!r} is not cpu, cuda, cuda:N or auto")
 
@@ -61,6 +66,7 @@ class BackendSpec:
             lora=lora,
             strategy=strategy,
             ranks=int(trainer.nnodes * trainer.n_gpus_per_node) if strategy == "fsdp" else 1,
+            nodes=int(trainer.nnodes) if strategy == "fsdp" else 1,
             device=str(trainer.device),
             trust_remote_code=bool(model.trust_remote_code),
             with_reference=bool(ar.actor.use_kl_loss),
@@ -84,6 +90,7 @@ class BackendSpec:
         return cls(
             model_path=model_path, pad_token_id=pad_token_id, lora=lora, strategy=strategy,
             ranks=int(trainer.nnodes * trainer.n_gpus_per_node) if strategy == "fsdp" else 1,
+            nodes=int(trainer.nnodes) if strategy == "fsdp" else 1,
             device=actor.device, trust_remote_code=actor.trust_remote_code,
             use_remove_padding=actor.use_remove_padding, share_prompt_prefix=actor.share_prompt_prefix,
             gradient_checkpointing=bool(model.enable_gradient_checkpointing), param_offload=actor.param_offload,
