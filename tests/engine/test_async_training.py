@@ -134,3 +134,30 @@ def test_bypass_mode_uses_the_samplers_logprobs_as_the_old_ones(tiny_model_dir):
     batch = trainer.batches[0]
     assert torch.equal(batch.tensors["old_logprobs"], batch.tensors["rollout_logprobs"])
     assert "timing_s/old_logprob" not in metrics  # nothing recomputed
+
+
+def test_multi_turn_agent_loops_run_asynchronously_on_the_remote_engine(ray_session, tiny_model_dir):
+    """Guess-the-number episodes against a real env server on 127.0.0.1, k = 1: the agent
+    loops' turns go to the engine in its own process; env tokens stay out of the loss."""
+    from opentinker.environments.games import GuessNumberEnv
+    from opentinker.environments.gym_interaction import GymEnvironmentInteraction
+    from opentinker.environments.server import running_env_server
+
+    with running_env_server(GuessNumberEnv) as urls:
+        trainer = RecordingTrainer(
+            make_config([*FAST, "async_training.max_staleness=1", "data.max_response_length=96",
+                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"]),
+            train_rows=[{"extra_info": {"interaction_kwargs": {"name": "guess"}}} for _ in range(8)],
+            interactions={"guess": GymEnvironmentInteraction({"env_endpoint": urls[0]})})
+        try:
+            history = [trainer.train_step() for _ in range(2)]
+        finally:
+            trainer.close()
+    assert [h["staleness/max"] for h in history] == [0.0, 1.0]
+    assert all(h["env/guess/turns_mean"] > 1 and h["env/guess/env_errors"] == 0 for h in history)
+    batch = trainer.batches[1]
+    lengths = torch.tensor([len(r) for r in batch.response_ids])
+    inside = torch.arange(batch.response_width)[None, :] < lengths[:, None]
+    env_tokens = inside & (batch.response_mask == 0)
+    assert env_tokens.any()  # the env's turns are in the responses ...
+    assert float(batch.tensors["rollout_logprobs"][env_tokens].abs().max()) == 0.0  # ... and were not sampled
