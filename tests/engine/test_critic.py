@@ -115,10 +115,10 @@ def test_a_lora_critic_trains_its_adapters_and_its_head(tiny_model_dir, tiny_tok
     batch = value_batch()
     before = critic.forward(batch).logprobs
     batch.tensors = {"returns": torch.ones_like(batch.response_mask), "old_values": before}
-    for _ in range(5):
+    for _ in range(10):  # (at lr 1e-2 Adam overshoots back and forth on this model)
         batch.tensors["old_values"] = critic.forward(batch).logprobs
         critic.forward_backward(batch, "value", {"cliprange_value": 10.0})
-        critic.optim_step(AdamParams(lr=1e-2))
+        critic.optim_step(AdamParams(lr=3e-3))
     after = critic.forward(batch).logprobs
     mask = batch.response_mask > 0
     assert float(((after - 1) ** 2)[mask].mean()) < float(((before - 1) ** 2)[mask].mean()) / 2
