@@ -1,7 +1,9 @@
 """Synchronous vs asynchronous off-policy GRPO on the embedded tiny model, side by side.
 
 Every variant trains the same number of steps from the same seed with the quickstart's settings
-(lr 3e-5, a KL loss, the arithmetic task), in this one process, one after the other:
+(lr 3e-5, a KL loss, the arithmetic task) but 64 sampled tokens per response, in this one
+process, one after the other (asynchronous runs give the trainer one torch thread fewer, the
+rollout actor has one):
 
 * ``sync``: ``async_training.max_staleness=0`` (the rollout waits for the update and back);
 * ``k=1`` / ``k=2``: the rollouts of the next k steps run in a Ray actor while a step updates,
@@ -26,6 +28,10 @@ import statistics
 import time
 
 SETTINGS = [
+    # Rollouts of 64 tokens (as grpo_vs_trl.py forces): with the default 16-token cap the step is
+    # almost all update, and there is little rollout to overlap.
+    "data.max_response_length=64",
+    "actor_rollout_ref.rollout.ignore_eos=true",
     "actor_rollout_ref.actor.optim.lr=3e-5",
     "actor_rollout_ref.actor.use_kl_loss=true",
     "data.val_batch_size=200",
@@ -69,6 +75,7 @@ def run(variant: str, steps: int, seed: int, extra: list[str]) -> dict[str, floa
         "reward_last10": statistics.mean(h["reward/mean"] for h in trained[-10:]),
         "heldout": history[-1].get("val/accuracy", float("nan")),
         "staleness": statistics.mean(h.get("staleness/mean", 0.0) for h in trained),
+        "wait_s": statistics.mean(h.get("timing_s/rollout_wait", h.get("timing_s/rollout", 0.0)) for h in trained[1:]),
     }
     for stat in GAP_STATS:
         values = [h[f"rollout_corr/{stat}"] for h in trained if f"rollout_corr/{stat}" in h]
@@ -88,19 +95,21 @@ def main() -> None:
     import torch
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads in the trainer, 1 in the rollout actor; "
-          f"{args.steps} steps, seed {args.seed}", flush=True)
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}; {threads} torch threads (sync), {max(1, threads - 1)} + 1 in the rollout "
+          f"actor (async); {args.steps} steps, seed {args.seed}", flush=True)
     results = {}
     for variant in args.variants.split(","):
+        torch.set_num_threads(threads)  # an asynchronous run lowers it
         results[variant] = run(variant, args.steps, args.seed, args.override)
         print(f"  done {variant}: {results[variant]['s_per_step']:.3f} s/step", flush=True)
     base = results.get("sync")
-    header = f"{'variant':<8} {'s/step':>7} {'x sync':>7} {'tok/s':>7} {'reward10':>8} {'heldout':>7} {'stale':>5}"
+    header = f"{'variant':<10} {'s/step':>7} {'x sync':>7} {'tok/s':>7} {'reward10':>8} {'heldout':>7} {'stale':>5} {'wait s':>6}"
     print(header)
     for variant, r in results.items():
         ratio = base["s_per_step"] / r["s_per_step"] if base else float("nan")
-        print(f"{variant:<8} {r['s_per_step']:7.3f} {ratio:7.2f} {r['tokens_per_s']:7.0f} {r['reward_last10']:8.3f} "
-              f"{r['heldout']:7.3f} {r['staleness']:5.2f}")
+        print(f"{variant:<10} {r['s_per_step']:7.3f} {ratio:7.2f} {r['tokens_per_s']:7.0f} {r['reward_last10']:8.3f} "
+              f"{r['heldout']:7.3f} {r['staleness']:5.2f} {r['wait_s']:6.3f}")
     print("trainer/sampler gap (means over steps; IS statistics before truncation, token level):")
     for variant, r in results.items():
         if "rollout_is_mean" in r:

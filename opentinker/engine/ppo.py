@@ -67,12 +67,14 @@ def lr_factor(update: int, total_updates: int, warmup: int, style: str, min_lr_r
 def run_epochs(backend: TrainingBackend, batch: TokenBatch, *, epochs: int, mini_batch_samples: int,
                micro_batch_size: int, agg_mode: str, scale: float, shuffle: torch.Generator, loss: str,
                loss_config: dict, stats: tuple[str, ...], params: AdamParams,
+               logprobs_out: list[torch.Tensor] | None = None,
                **forward_backward_options) -> tuple[dict[str, float], int, int, int]:
     """``epochs`` passes over ``batch`` (shuffled when more than one) in mini-batches of
     ``mini_batch_samples``: ``forward_backward`` of each micro-batch with ``loss``, weighted
     for ``agg_mode`` over the mini-batch, then one ``optim_step``. Returns the sums over
     mini-batches of each stat (and ``grad_norm``), the mini-batches, the steps taken and the
-    steps skipped (a non-finite gradient)."""
+    steps skipped (a non-finite gradient). ``logprobs_out`` collects each micro-batch's per-token
+    outputs (padded to the batch's width), in the order they ran."""
     sums: dict[str, float] = defaultdict(float)
     mini_batches = steps = skipped = 0
     for _ in range(epochs):
@@ -86,6 +88,8 @@ def run_epochs(backend: TrainingBackend, batch: TokenBatch, *, epochs: int, mini
                 if not float(micro.tensors["weights"].sum()):
                     continue
                 out = backend.forward_backward(micro, loss, loss_config, **forward_backward_options)
+                if logprobs_out is not None:
+                    logprobs_out.append(pad_to(out.logprobs.detach(), batch.response_width))
                 for stat in stats:
                     if f"{stat}:sum" in out.metrics:
                         sums[stat] += out.metrics[f"{stat}:sum"]
@@ -119,6 +123,8 @@ class PPOUpdate:
             "use_kl_loss": actor.use_kl_loss,
             "kl_loss_coef": actor.kl_loss_coef,
             "kl_loss_type": actor.kl_loss_type,
+            "rollout_is": cfg.algorithm.rollout_correction.rollout_is,
+            "rollout_is_threshold": cfg.algorithm.rollout_correction.rollout_is_threshold,
         }
         optim = actor.optim
         self.total_updates = int(cfg.trainer.total_training_steps)
@@ -126,6 +132,9 @@ class PPOUpdate:
             optim.lr_warmup_steps_ratio * self.total_updates)
         self.updates = 0  # update() calls so far: the position in the learning-rate schedule
         self._shuffle = torch.Generator().manual_seed(seed)
+        # The last update's logprobs of its batch before any optimizer step, when the update was
+        # a single step (no old_logprobs needed): the rollout correction's statistics use them.
+        self.logprobs_before_update: torch.Tensor | None = None
 
     @property
     def mini_batch_samples(self) -> int:
@@ -156,11 +165,15 @@ class PPOUpdate:
         if self.needs_old_logprobs(batch) and "old_logprobs" not in batch.tensors:
             raise ValueError("this update leaves the sampling policy: the batch needs 'old_logprobs'")
         params = self.adam_params()
+        single_step = not self.needs_old_logprobs(batch)
+        seen: list[torch.Tensor] | None = [] if single_step else None
         sums, mini_batches, steps, skipped = run_epochs(
             self.backend, batch, epochs=self.actor.ppo_epochs, mini_batch_samples=self.mini_batch_samples,
             micro_batch_size=int(self.actor.ppo_micro_batch_size), agg_mode=self.agg_mode, scale=self.scale,
             shuffle=self._shuffle, loss=LOSS, loss_config=self.loss_config, stats=_STATS, params=params,
-            temperature=temperature, with_entropy=True)
+            logprobs_out=seen, temperature=temperature, with_entropy=True)
+        # Micro-batches with no weight are skipped, so rows line up only when all of them ran.
+        self.logprobs_before_update = torch.cat(seen) if seen and sum(len(p) for p in seen) == len(batch) else None
         self.updates += 1
         result = {f"actor/{name}": value / mini_batches for name, value in sums.items()} if mini_batches else {}
         result.update({"actor/lr": params.lr, "actor/optimizer_steps": steps, "actor/skipped_nonfinite_steps": skipped})

@@ -222,6 +222,8 @@ class RLTrainer:
         if self.max_staleness:  # in a process of its own, so that it runs during the update
             from opentinker.engine.rollout.remote import RemoteRolloutEngine
 
+            if self.device.type == "cpu":  # one core for the engine: oversubscribed OpenMP threads spin
+                torch.set_num_threads(max(1, torch.get_num_threads() - 1))
             return RemoteRolloutEngine(
                 str(self.model_path), seed=self.cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size,
                 threads=1, device=self.device.type, trust_remote_code=ar.model.trust_remote_code)
@@ -477,8 +479,9 @@ class RLTrainer:
         correction = cfg.algorithm.rollout_correction
         if correction.bypass_mode:  # the sampler's logprobs are the old ones (no recompute)
             batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"].clone()
-        elif (self.ppo.needs_old_logprobs(batch) or self.max_staleness  # decided by the batch actually trained
-              or correction.rollout_is is not None or correction.rollout_rs is not None):
+        # Decided by the batch actually trained. An update of one optimizer step needs none: its
+        # ratio is 1 and IS weights come from its own pass (rejection must know them before).
+        elif self.ppo.needs_old_logprobs(batch) or correction.rollout_rs is not None:
             with timer.phase("old_logprob"):
                 batch.tensors["old_logprobs"] = self.ppo.logprobs(batch, temperature=temperature)
         if cfg.actor_rollout_ref.actor.use_kl_loss:
@@ -493,11 +496,13 @@ class RLTrainer:
         if self.critic is not None:
             with timer.phase("update_critic"):
                 update_metrics.update(self.critic.update(batch))
-        actor_batch, correction_metrics = self.corrected(batch)
+        actor_batch = self.without_rejected(batch)
         # trainer.critic_warmup: the first steps train the critic alone.
+        self.ppo.logprobs_before_update = None
         if self.critic is None or self.global_step >= cfg.trainer.critic_warmup:
             with timer.phase("update"):
                 update_metrics.update(self.ppo.update(actor_batch, temperature=temperature))
+        correction_metrics = self.correction_metrics(batch)
         with timer.phase("sync"):
             if self.pipeline is not None:  # applied between the rollouts already running
                 self.pipeline.push_weights(self.global_step + 1, self.backend.weights())
@@ -506,27 +511,36 @@ class RLTrainer:
                 self.sync_weights()
         return batch, {**adv_metrics, **correction_metrics, **update_metrics}
 
-    def corrected(self, batch: TokenBatch) -> tuple[TokenBatch, dict[str, float]]:
-        """The batch the actor trains on: with ``algorithm.rollout_correction``, IS weights
-        (``rollout_is_weights``) and/or a response mask without the rejected tokens; and the
-        gap between sampler and trainer (IS-weight statistics at the configured level, token
-        level when IS is off) whenever the old logprobs were recomputed."""
+    def without_rejected(self, batch: TokenBatch) -> TokenBatch:
+        """The batch the actor trains on: with ``rollout_correction.rollout_rs``, its response
+        mask without the tokens (or sequences) whose sampler/trainer ratio is out of bounds.
+        (The IS weights of ``rollout_is`` are applied in the loss.)"""
         correction = self.cfg.algorithm.rollout_correction
-        if "old_logprobs" not in batch.tensors or correction.bypass_mode:
-            return batch, {}
-        is_weights, rs_mask, metrics = rollout_correction(
+        if correction.rollout_rs is None or correction.bypass_mode:
+            return batch
+        _, kept, _ = rollout_correction(
             batch.tensors["old_logprobs"], batch.tensors["rollout_logprobs"], batch.response_mask,
+            rollout_rs=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
+            rs_lower=correction.rollout_rs_threshold_lower)
+        return dataclasses.replace(batch, response_mask=kept, tensors=dict(batch.tensors))
+
+    def correction_metrics(self, batch: TokenBatch) -> dict[str, float]:
+        """The gap between sampler and trainer, ``rollout_corr/*`` (IS-weight statistics at the
+        configured level, token level when IS is off; the fraction rejected), wherever the
+        trainer's policy before the update is known: recomputed old logprobs, or the update's
+        own pass when it was a single step. Synchronous steps without correction skip it."""
+        correction = self.cfg.algorithm.rollout_correction
+        if correction.bypass_mode or not (self.max_staleness or correction.rollout_is or correction.rollout_rs):
+            return {}
+        before = batch.tensors.get("old_logprobs", self.ppo.logprobs_before_update)
+        if before is None:
+            return {}
+        _, _, metrics = rollout_correction(
+            before, batch.tensors["rollout_logprobs"], batch.response_mask,
             rollout_is=correction.rollout_is or "token", is_threshold=correction.rollout_is_threshold,
             rollout_rs=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
             rs_lower=correction.rollout_rs_threshold_lower)
-        if correction.rollout_is is None and rs_mask is None:
-            return batch, metrics
-        actor_batch = dataclasses.replace(batch, tensors=dict(batch.tensors))
-        if correction.rollout_is is not None:
-            actor_batch.tensors["rollout_is_weights"] = is_weights
-        if rs_mask is not None:
-            actor_batch.response_mask = rs_mask
-        return actor_batch, metrics
+        return metrics
 
     def skip_step(self, full_rollout: Rollout, timer: Timer) -> dict[str, Any]:
         """A step with nothing to train on though its env servers answer (they answered with

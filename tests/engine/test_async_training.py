@@ -69,6 +69,8 @@ def test_rollouts_run_ahead_in_their_own_process_and_sample_with_the_version_the
         if version != step - 1:
             assert rollout_gap(scorer, versions[step - 1], batch) > 1e-3, step
     assert abs(history[0]["rollout_corr/kl"]) < 1e-6  # same weights in both processes
+    # One optimizer step per update: the gap is measured on the update's own pass, no extra one.
+    assert all("timing_s/old_logprob" not in h and h["rollout_corr/kl"] != 0 for h in history[1:])
     assert all(h["timing_s/rollout_wait"] >= 0 for h in history)
 
 

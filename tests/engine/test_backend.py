@@ -166,23 +166,32 @@ def test_cispo_gradient_treats_the_clipped_ratio_as_a_constant(make_backend, bat
     assert_close_grads(grads(cispo.model), grads(reference.model))
 
 
-def test_rollout_is_weights_scale_each_tokens_policy_term_not_the_kl(make_backend, batch):
-    """rl_policy with rollout_is_weights: the policy loss of each token times its weight; the KL
-    term to the reference is not weighted."""
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_scale_each_tokens_policy_term_not_the_kl(make_backend, batch, level):
+    """rl_policy with rollout_is: each token's policy loss times min(exp(old - rollout), 1.5),
+    old being the old_logprobs or, without them, the pass's own logprobs; the KL term to the
+    reference is not weighted."""
     backend = make_backend()
     logprobs = backend.forward(batch).logprobs
     _tinker_inputs(batch, logprobs)
-    config = {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"}
-    batch.tensors["ref_logprobs"] = batch.tensors["old_logprobs"] - 0.1
-    plain = backend.forward_backward(batch, "rl_policy", config)
-    generator = torch.Generator().manual_seed(5)
-    batch.tensors["rollout_is_weights"] = torch.rand(batch.response_mask.shape, generator=generator) * 2
-    weighted = backend.forward_backward(batch, "rl_policy", config)
-    kl = 0.1 * (logprobs - batch.tensors["ref_logprobs"])
-    expected = (plain.elementwise_loss - kl) * batch.tensors["rollout_is_weights"] + kl
     mask = batch.response_mask
-    assert torch.allclose(weighted.elementwise_loss * mask, expected * mask, atol=1e-5)
-    assert not torch.allclose(weighted.elementwise_loss * mask, plain.elementwise_loss * mask, atol=1e-3)
+    generator = torch.Generator().manual_seed(5)
+    batch.tensors["rollout_logprobs"] = (logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator)) * mask
+    batch.tensors["ref_logprobs"] = batch.tensors["old_logprobs"] - 0.1
+    config = {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"}
+    kl = 0.1 * (logprobs - batch.tensors["ref_logprobs"])
+    for old in (batch.tensors["old_logprobs"], None):
+        if old is None:
+            del batch.tensors["old_logprobs"]
+            old = logprobs
+        plain = backend.forward_backward(batch, "rl_policy", config)
+        weighted = backend.forward_backward(batch, "rl_policy", {**config, "rollout_is": level,
+                                                                 "rollout_is_threshold": 1.5})
+        log_ratio = (old - batch.tensors["rollout_logprobs"]) * mask
+        ratio = log_ratio.exp() if level == "token" else log_ratio.sum(-1, keepdim=True).exp().expand_as(mask)
+        expected = (plain.elementwise_loss - kl) * ratio.clamp(max=1.5) + kl
+        assert torch.allclose(weighted.elementwise_loss * mask, expected * mask, atol=1e-5)
+        assert not torch.allclose(weighted.elementwise_loss * mask, plain.elementwise_loss * mask, atol=1e-3)
 
 
 def test_gradients_accumulate_across_calls_until_the_step(make_backend, batch):

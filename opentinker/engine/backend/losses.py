@@ -17,9 +17,11 @@ Built in (the Tinker API's semantics, ``r = exp(logprobs - old_logprobs)``):
   :mod:`opentinker.engine.algorithms.policy_losses` (``policy_loss``: vanilla | gspo | cispo,
   with ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``), plus
   ``kl_loss_coef * KL(kl_loss_type)`` to ``ref_logprobs`` when ``use_kl_loss``, minus
-  ``entropy_coeff * entropy``. Without ``old_logprobs`` the ratio is 1 (on-policy). With a
-  ``rollout_is_weights`` input (the trainer's rollout correction) the policy term of each
-  token is multiplied by its weight.
+  ``entropy_coeff * entropy``. Without ``old_logprobs`` the ratio is 1 (on-policy). With
+  ``rollout_is`` (token | sequence) the policy term of each token is multiplied by its
+  truncated IS weight ``min(exp(old - rollout_logprobs), rollout_is_threshold)``, old being
+  ``old_logprobs`` or, without them, this pass's own logprobs (detached): one pass, no
+  recompute, when the update is a single optimizer step.
 - ``value``: a value model's clipped loss against ``returns`` (``old_values``,
   ``cliprange_value``); the backend's per-token outputs are then values, not logprobs.
 """
@@ -34,6 +36,7 @@ import torch
 
 from opentinker.engine.algorithms.kl import kl_penalty
 from opentinker.engine.algorithms.policy_losses import policy_token_losses
+from opentinker.engine.algorithms.rollout_correction import rollout_correction
 from opentinker.engine.batch import TokenBatch
 
 Stats = dict[str, torch.Tensor]
@@ -160,6 +163,8 @@ _RL_POLICY_OPTIONS = {
     "use_kl_loss": False,
     "kl_loss_coef": 0.001,
     "kl_loss_type": "low_var_kl",
+    "rollout_is": None,  # None | token | sequence: the rollout correction's IS weights (needs rollout_logprobs)
+    "rollout_is_threshold": 2.0,
 }
 
 
@@ -174,8 +179,12 @@ def rl_policy(logprobs, inputs, config, entropy):
         clip_ratio=config["clip_ratio"], clip_ratio_low=config["clip_ratio_low"],
         clip_ratio_high=config["clip_ratio_high"], clip_ratio_c=config["clip_ratio_c"],
     )
-    if "rollout_is_weights" in inputs:  # the rollout correction's IS weights (constants)
-        losses = losses * inputs["rollout_is_weights"]
+    if config["rollout_is"] is not None:  # constants: old is the policy before this update
+        if "rollout_logprobs" not in inputs:
+            raise ValueError("loss 'rl_policy' with rollout_is needs the per-token input 'rollout_logprobs'")
+        weights, _, _ = rollout_correction(old.detach(), inputs["rollout_logprobs"], mask,
+                                           rollout_is=config["rollout_is"], is_threshold=config["rollout_is_threshold"])
+        losses = losses * weights
     stats = {**stats, "pg_loss": losses.detach()}
     if config["entropy_coeff"]:
         losses = losses - config["entropy_coeff"] * entropy
