@@ -156,19 +156,26 @@ def test_ppo_with_gae_trains_a_critic_and_resumes_it(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("actor", ["local", "fsdp-2-ranks"])
 def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run, actor):
-    """PPO with a critic on the same seeded 60-step run as GRPO's (measured: 0.380 -> 0.655
-    both ways). With the actor on 2 FSDP ranks the critic stays local: the run's own Ray has the
-    machine's 2 CPUs, one per actor rank (the critic's ranks would need 2 more)."""
+    """PPO with a critic on the same seeded 60-step run as GRPO's; the critic learns: its value
+    loss falls and its explained variance (on each step's fresh samples, before its update)
+    climbs from below 0 to above it. With the actor on 2 FSDP ranks the critic stays local: the
+    run's own Ray has the machine's 2 CPUs, one per actor rank (the critic's would need 2 more)."""
     fsdp = ["actor_rollout_ref.actor.strategy=fsdp", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
             "critic.strategy=local"] if actor != "local" else []
-    history = heldout_run("algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", *fsdp)
+    history = heldout_run("algorithm.adv_estimator=gae", "critic.optim.lr=1e-4", *fsdp)
     trained = [m for m in history if "reward/mean" in m]
     assert [m["step"] for m in trained] == list(range(1, 61))
     assert all(m["actor/optimizer_steps"] == 1 and m["critic/optimizer_steps"] == 1 for m in trained)
     before, after = history[0]["val/accuracy"], history[-1]["val/accuracy"]
-    print(f"held-out greedy accuracy {before:.3f} -> {after:.3f}")
+    ev = [m["critic/explained_variance"] for m in trained]
+    vf_loss = [m["critic/vf_loss"] for m in trained]
+    first, last = slice(0, 10), slice(40, 60)  # the end averaged over 20 steps: one step's EV is noisy
+    print(f"held-out greedy accuracy {before:.3f} -> {after:.3f}; explained variance "
+          f"{np.mean(ev[first]):.3f} -> {np.mean(ev[last]):.3f}; vf loss {np.mean(vf_loss[first]):.4f} -> "
+          f"{np.mean(vf_loss[last]):.4f}")
     assert after >= 0.6 > before
-    assert all(np.isfinite(m["critic/explained_variance"]) for m in trained)
+    assert np.mean(ev[first]) < 0 < np.mean(ev[last])
+    assert np.mean(vf_loss[last]) < np.mean(vf_loss[first])
 
 
 def test_a_critic_on_two_fsdp_ranks_computes_what_one_process_does(ray_session, tiny_model_dir, tiny_tokenizer):
