@@ -9,6 +9,7 @@ import time
 import pytest
 
 from opentinker import GenericEnvironment, OpenTinkerClient
+from opentinker.client.errors import ValidationError
 from opentinker.client.local_server import local_server
 from opentinker.environments.arithmetic import make_problems
 from opentinker.protocol import JobCreate, JobStatus
@@ -59,6 +60,23 @@ def test_create_stream_complete_and_download(client, tmp_path):
     folder = job.download_checkpoint(dest=tmp_path)
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
     assert len(job.metrics()) == 3 and all("reward/mean" in m["metrics"] for m in job.metrics())
+
+
+def test_an_asynchronous_job_trains_off_policy_through_the_server(client):
+    """async_training through the service: the job's rollouts run ahead in their own Ray actor;
+    its metrics say how stale each step's samples were. A client-mode job cannot (400)."""
+    env = GenericEnvironment({**SMALL, "async_training.max_staleness": 1,
+                              "algorithm.rollout_correction.rollout_is": "token"}, dataset=rows(16))
+    job = client.submit(env, steps=3)
+    events = list(job.stream())
+    assert events[-1].data["status"] == "completed", events[-1].data
+    metrics = [m["metrics"] for m in job.metrics()]
+    assert [m["staleness/max"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all(m["rollout_corr/rollout_is_eff_sample_size"] > 0 for m in metrics)
+    with pytest.raises(ValidationError, match="max_staleness") as refused:
+        client.create_job(JobCreate(mode="client", config={**SMALL, "async_training.max_staleness": 1}))
+    assert refused.value.status_code == 400
+    assert refused.value.detail["field"] == "config.async_training.max_staleness"
 
 
 def test_reattach_with_last_event_id_loses_nothing(client):

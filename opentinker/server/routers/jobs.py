@@ -127,6 +127,10 @@ async def create_job(
         raise ApiError(400, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
         raise ApiError(400, str(exc), {"field": "config"}) from exc
+    if body.mode == "client" and cfg.async_training.max_staleness:
+        raise ApiError(400, "async_training.max_staleness > 0 draws each step's prompts ahead of the step, which "
+                       "a client-mode job cannot (its batches come one at a time): use mode='server' (the dataset "
+                       "uploaded with the job) or max_staleness=0", {"field": "config.async_training.max_staleness"})
     placement = manager.placement_problem(cfg)
     if placement:
         raise ApiError(400, placement, {"field": "config.trainer.n_gpus_per_node"})
