@@ -259,3 +259,23 @@ def test_a_server_job_trains_with_vllm_rollout(tiny_model_dir, tmp_path):
         events = list(job.stream())
     assert events[-1].type == "status" and events[-1].data["status"] == "completed", events[-1].data
     assert [e.data["step"] for e in events if e.type == "progress"] == [1, 2]
+
+
+def test_asynchronous_training_with_the_vllm_engine(trainers_use_the_module_engine):
+    """max_staleness=1 with vLLM (its engine core is a process of its own): the weights of step
+    s reach the engine between rollouts, step 1 samples with the weights it trains (the gap
+    is vLLM's numerics only) and later steps one version behind."""
+    from opentinker.engine.trainer import RLTrainer
+
+    trainer = RLTrainer(make_config([
+        "actor_rollout_ref.rollout.name=vllm", "async_training.max_staleness=1", "trainer.total_training_steps=3",
+        "trainer.test_freq=-1", "trainer.progress_bar=false", "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3"]))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert [m["staleness/max"] for m in history] == [0.0, 1.0, 1.0]
+    assert abs(history[0]["rollout_corr/kl"]) < 1e-3
+    assert all(abs(m["rollout_corr/kl"]) > abs(history[0]["rollout_corr/kl"]) for m in history[1:])
