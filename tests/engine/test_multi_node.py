@@ -45,7 +45,8 @@ def test_the_ranks_run_on_two_nodes_and_the_rollout_in_the_trainer_process(runs)
     # One rank on each node; which node gets rank 0 is Ray's choice (on node_b the ranks meet
     # away from the trainer's node: on one machine both nodes have the same address, though).
     assert sorted(two["rank_nodes"]) == ["node_a", "node_b"]
-    assert one["rank_nodes"] == ["node_a", "node_a"]  # nnodes=1: packed on one node, as before
+    # nnodes=1: packed on one node, as before (which one is Ray's choice: CI saw node_b).
+    assert len(one["rank_nodes"]) == 2 and len(set(one["rank_nodes"])) == 1
     for run in (two, one):
         # rollout.name=transformers: the engine and its model live in the trainer's own process
         # (on the head node, where the driver joined), and got the ranks' weights after each step.
