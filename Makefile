@@ -16,7 +16,7 @@ RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl
 # vLLM for CPU is part of the test set-up on Linux x86-64 (VLLM=0 skips it; its tests then skip).
 VLLM   ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
-.PHONY: run train test install install-vllm install-cookbook install-chromium venv clean
+.PHONY: run train test install install-vllm install-cookbook install-chromium venv clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,3 +78,12 @@ test: install $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Every GPU path in one table (benchmarks/gpu_check.py), on a CUDA machine whose python has torch,
+# transformers and peft; never part of CI. WHEELS=<folder> first installs the few small packages
+# that machine may lack (benchmarks/README.md lists them) into a folder of their own.
+gpu-check:
+	$(if $(WHEELS),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+	    --target /tmp/opentinker-gpu-site $(WHEELS)/*.whl &&) \
+	PYTHONPATH=$(CURDIR)$(if $(WHEELS),:/tmp/opentinker-gpu-site) PYTHONUNBUFFERED=1 \
+	    $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

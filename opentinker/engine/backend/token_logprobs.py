@@ -16,11 +16,14 @@ import torch
 
 from opentinker.engine.algorithms import entropy_from_logits
 
-CHUNK_ELEMENTS = 1 << 20  # logits per chunk (4 MiB in float32)
+CHUNK_ELEMENTS = 1 << 20  # logits per chunk on CPU (4 MiB in float32: stays in cache)
+# On a GPU each chunk costs a few kernel launches: with a 152k vocab, 4 MiB chunks are 6 rows,
+# and an update of 10k tokens spent more time launching than computing (benchmarks/README.md).
+GPU_CHUNK_ELEMENTS = 1 << 26  # 256 MiB in float32: temporaries small beside the logits
 
 
-def _chunks(rows: int, vocab: int):
-    step = max(1, CHUNK_ELEMENTS // vocab)
+def _chunks(rows: int, vocab: int, device: torch.device):
+    step = max(1, (CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS) // vocab)
     return ((start, min(start + step, rows)) for start in range(0, rows, step))
 
 
@@ -33,7 +36,7 @@ class _TokenLogprobs(torch.autograd.Function):
         dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits are scored in float32
         logprobs = torch.empty(rows, dtype=dtype, device=logits.device)
         entropy = torch.empty_like(logprobs) if with_entropy else None
-        for start, end in _chunks(rows, vocab):
+        for start, end in _chunks(rows, vocab, logits.device):
             chunk_logprobs = torch.log_softmax(_scaled(flat[start:end], dtype, temperature), dim=-1)
             logprobs[start:end] = chunk_logprobs.gather(-1, flat_targets[start:end]).squeeze(-1)
             if entropy is not None:  # -sum(p * log p): no cancellation of large terms
@@ -58,7 +61,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if temperature != 1.0:
             grad_rows = grad_rows / temperature  # d(z / T) / dz
         grad = torch.empty(flat.shape, dtype=dtype, device=logits.device)
-        for start, end in _chunks(flat.shape[0], vocab):
+        for start, end in _chunks(flat.shape[0], vocab, logits.device):
             out, g = grad[start:end], grad_rows[start:end]
             # d logp_t / dz = onehot(t) - softmax(z), the softmax recomputed into the gradient's rows
             torch.log_softmax(_scaled(flat[start:end], dtype, temperature), dim=-1, out=out).exp_().mul_(-g)

@@ -1,0 +1,295 @@
+"""Every GPU path of the engine in one go, with one table at the end (never part of CI).
+
+    python benchmarks/gpu_check.py [--out results.json] [--only update,rollout,...]
+    make gpu-check
+
+Meant for a GPU node that has torch, transformers and peft but maybe none of this project's
+other dependencies (no Ray, vLLM or FastAPI): what needs a missing package is skipped and the
+table says so. Models are built from a config in code (nothing is downloaded): a randomly
+initialised Qwen2.5-0.5B-shaped model, and the embedded tiny model for whole GRPO/GAE runs
+(``OPENTINKER_CACHE_DIR`` may point at a copy of it; otherwise it is built, ~3 min).
+
+Checks (``--only`` picks some):
+
+* ``hardware``: the GPU's bf16 matmul rate (8192^3) and its memory bandwidth (a 2 GiB copy):
+  the peaks the rows below are measured against.
+* ``update``: one full fine-tuning update on the 0.5B shape with ``LocalBackend`` (fp32 master
+  weights, bf16 autocast): 64 rows of 128 prompt + 512 response tokens, micro-batches of 16,
+  then AdamW. MFU = ``6 * parameters * tokens / seconds`` over the dense bf16 peak (attention
+  FLOPs left out: an underestimate).
+* ``fsdp``: the same update on one FSDP2 rank (nccl, bf16 mixed precision), no Ray needed.
+* ``lora``: the same update with LoRA rank 32 on every linear layer.
+* ``rollout``: the transformers rollout engine, bf16, 64 and 256 prompts of 128 tokens + 256
+  generated (``ignore_eos``), tokens/s against the decode's memory bound (every step reads all
+  weights and each row's KV cache at the measured bandwidth).
+* ``adapters``: the Tinker multi-tenant worker, 4 LoRA models on one 0.5B base, one batched
+  forward_backward + optim_step of all four.
+* ``grpo`` / ``gae``: a few steps of the quickstart's GRPO (and of PPO with a critic) on the
+  tiny model with ``trainer.device=cuda``: the recipe end to end on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fsdp_scaling import PEAK_BF16_FLOPS  # noqa: E402
+from model_shapes import qwen25_05b_folder  # noqa: E402
+
+ROWS, PROMPT, RESPONSE, MICRO = 64, 128, 512, 16
+TOKEN_HIGH = 150000  # random token ids below this (the 0.5B shape has 151936)
+RECIPE_DEVICE = "cuda"  # of the grpo and gae checks
+ROWS_OUT: list[dict] = []  # the table, one dict per row
+
+
+def row(check: str, what: str, value: str, goal: str = "") -> None:
+    ROWS_OUT.append({"check": check, "what": what, "value": value, "goal": goal})
+    print(f"[gpu_check] {check:<9} {what:<44} {value:<28} {goal}", flush=True)
+
+
+def synced_seconds(fn, repeats: int = 1) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def spec_peak() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+# -- checks -------------------------------------------------------------------------------
+def check_hardware(state: dict) -> None:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    synced_seconds(lambda: a @ b, 3)
+    matmul = 2 * 8192 ** 3 / synced_seconds(lambda: a @ b, 10)
+    source = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    target = torch.empty_like(source)
+    synced_seconds(lambda: target.copy_(source), 2)
+    bandwidth = 2 * source.numel() * 2 / synced_seconds(lambda: target.copy_(source), 10)
+    state.update(matmul=matmul, bandwidth=bandwidth)
+    row("hardware", torch.cuda.get_device_name(), f"torch {torch.__version__}")
+    row("hardware", "bf16 matmul 8192^3", f"{matmul / 1e12:.0f} TFLOP/s",
+        f"spec dense peak {spec_peak() / 1e12:.0f}" if spec_peak() else "")
+    row("hardware", "copy bandwidth (read + write)", f"{bandwidth / 1e12:.2f} TB/s")
+
+
+def training_batch():
+    from opentinker.engine.batch import TokenBatch
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, TOKEN_HIGH, (ROWS, PROMPT), generator=generator).tolist()
+    responses = torch.randint(3, TOKEN_HIGH, (ROWS, RESPONSE), generator=generator).tolist()
+    return TokenBatch.from_responses(prompts, responses)
+
+
+def timed_updates(forward_backward, optim_step, batch, repeats: int = 2) -> float:
+    """Seconds per update of the whole batch in micro-batches (after one warm-up update)."""
+    def update():
+        for start in range(0, len(batch), MICRO):
+            forward_backward(batch.select(range(start, start + MICRO)))
+        optim_step()
+
+    update()
+    return synced_seconds(update, repeats)
+
+
+def report_update(check: str, label: str, seconds: float, parameters: int, state: dict, goal: str = "") -> None:
+    tokens = ROWS * (PROMPT + RESPONSE)
+    flops = 6 * parameters * tokens / seconds
+    peak = spec_peak() or state.get("matmul")
+    row(check, f"{label}: {tokens} tokens/update", f"{seconds:.2f} s, {tokens / seconds:,.0f} tok/s")
+    row(check, f"{label}: MFU (6N/token, dense bf16 peak)", f"{flops / 1e12:.0f} TFLOP/s = {flops / peak:.1%}",
+        goal or "goal >= 40%")
+    row(check, f"{label}: peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+def check_update(state: dict, lora=None, check: str = "update") -> None:
+    from opentinker.engine.backend import BackendSpec, make_backend
+    from opentinker.engine.backend.base import AdamParams
+
+    free_memory()
+    backend = make_backend(BackendSpec(model_path=state["folder"], pad_token_id=0, device="cuda", lora=lora,
+                                       share_prompt_prefix=False))
+    parameters = sum(p.numel() for n, p in backend.model.named_parameters() if "lora_" not in n)
+    seconds = timed_updates(lambda b: backend.forward_backward(b, "cross_entropy"),
+                            lambda: backend.optim_step(AdamParams(lr=1e-6, grad_clip=1.0)), state["batch"])
+    label = "LocalBackend full" if lora is None else f"LocalBackend LoRA r{lora.rank}"
+    report_update(check, label, seconds, parameters, state,
+                  "" if lora is None else "(frozen base: 6N overcounts ~1/3)")
+    if lora is None:
+        state["update_s"] = seconds
+    elif "update_s" in state:
+        row(check, "LoRA / full update time", f"x{seconds / state['update_s']:.2f}")
+    backend.close()
+
+
+def check_lora(state: dict) -> None:
+    from opentinker.engine.backend.lora import LoraSettings
+
+    check_update(state, LoraSettings(32, 64.0, "all-linear"), check="lora")
+
+
+def check_fsdp(state: dict) -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    from opentinker.engine.backend import BackendSpec
+    from opentinker.engine.backend.base import AdamParams
+    from opentinker.engine.backend.fsdp import FSDPRank
+
+    free_memory()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = BackendSpec(model_path=state["folder"], pad_token_id=0, strategy="fsdp", device="cuda",
+                       share_prompt_prefix=False)
+    rank = FSDPRank(0, 1, "127.0.0.1", port, spec)
+    try:
+        parameters = sum(p.numel() for p in rank.model.parameters())
+        seconds = timed_updates(lambda b: rank.forward_backward(b, "cross_entropy", None, 1.0, False),
+                                lambda: rank.optim_step(AdamParams(lr=1e-6, grad_clip=1.0)), state["batch"])
+        report_update("fsdp", f"FSDP2 x1 ({dist.get_backend()})", seconds, parameters, state)
+        if "update_s" in state:
+            row("fsdp", "FSDP2 x1 / LocalBackend update time", f"x{seconds / state['update_s']:.2f}")
+    finally:
+        rank.shutdown()
+
+
+def check_rollout(state: dict) -> None:
+    from rollout_throughput import decode_bound, tokens_per_second, transformers_engine
+
+    free_memory()
+    engine = transformers_engine(state["folder"], torch.device("cuda"), torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    tokens = 256
+    for batch in (64, 256):
+        prompts = torch.randint(3, TOKEN_HIGH, (batch, PROMPT), generator=generator).tolist()
+        rate = tokens_per_second(engine, prompts, tokens, rounds=2)
+        bound = decode_bound(state["folder"], batch, PROMPT, tokens, state["bandwidth"])
+        row("rollout", f"transformers bf16, {batch} x ({PROMPT} + {tokens})",
+            f"{rate:,.0f} tok/s = {rate / bound:.1%} of bound", f"bound {bound:,.0f}; goal >= 50%")
+    row("rollout", "compiled decode (static cache)", "not built yet", "issue 21 item 2")
+
+
+def check_adapters(state: dict) -> None:
+    import numpy as np
+
+    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
+
+    free_memory()
+    worker = AdapterWorker(state["folder"], device="cuda")
+    models = [f"user{i}" for i in range(4)]
+    for i, model in enumerate(models):
+        worker.add_model(model, LoraSettings(32, 64.0, "all-linear", seed=i))
+    rng = np.random.default_rng(0)
+    adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
+            "grad_clip_norm": 1.0}
+
+    def datums(count: int = 4, length: int = 512):
+        out = []
+        for _ in range(count):
+            tokens = rng.integers(3, TOKEN_HIGH, size=length + 1)
+            out.append((tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(length, np.float32)}))
+        return out
+
+    def cycle():
+        calls = [ForwardBackwardCall(m, datums(), "cross_entropy") for m in models]
+        results, done = worker.cycle(calls, [("optim_step", m, (adam,)) for m in models])
+        failed = [r for r in [*results, *done] if "result" not in r]
+        if failed:
+            raise RuntimeError(f"adapter cycle failed: {failed[0]}")
+
+    cycle()
+    seconds = synced_seconds(cycle, 2)
+    tokens = len(models) * 4 * 512
+    row("adapters", "4 LoRA models x 4 rows x 512 on one base", f"{seconds:.2f} s/cycle, {tokens / seconds:,.0f} tok/s")
+    row("adapters", "peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+def run_recipe(check: str, overrides: list[str]) -> None:
+    from opentinker.engine.trainer import train
+
+    free_memory()
+    steps = 4
+    start = time.perf_counter()
+    history = train([f"trainer.device={RECIPE_DEVICE}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
+                     "trainer.progress_bar=false", "trainer.seed=0", *overrides])
+    seconds = time.perf_counter() - start
+    rewards = [round(m["reward/mean"], 3) for m in history]
+    finite = all(v == v for m in history for v in m.values() if isinstance(v, float))
+    row(check, f"tiny model, {steps} steps on {RECIPE_DEVICE}: reward/mean", str(rewards), "finite" if finite else "NaN seen")
+    row(check, "median s/step (after the first)", f"{statistics.median(m['timing_s/step'] for m in history[1:]):.2f} s",
+        f"{seconds:.0f} s in all")
+
+
+def check_grpo(state: dict) -> None:
+    run_recipe("grpo", [])
+
+
+def check_gae(state: dict) -> None:
+    run_recipe("gae", ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4"])
+
+
+CHECKS = {"hardware": check_hardware, "update": check_update, "rollout": check_rollout, "grpo": check_grpo,
+          "fsdp": check_fsdp, "lora": check_lora, "adapters": check_adapters, "gae": check_gae}
+NEEDS_MODEL = {"update", "rollout", "fsdp", "lora", "adapters"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated, of {', '.join(CHECKS)}")
+    parser.add_argument("--out", type=Path, help="also write the table here as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here", file=sys.stderr)
+        return 2
+    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(CHECKS))
+    if unknown:
+        parser.error(f"--only: unknown check(s) {', '.join(unknown)} (known: {', '.join(CHECKS)})")
+    state: dict = {}
+    start = time.perf_counter()
+    failures = 0
+    for name in ["hardware", *[w for w in wanted if w != "hardware"]]:
+        try:
+            if name in NEEDS_MODEL and "folder" not in state:
+                state["folder"], state["batch"] = qwen25_05b_folder(), training_batch()
+            CHECKS[name](state)
+        except Exception as error:  # one failing path must not hide the others
+            failures += 1
+            row(name, "FAILED", f"{type(error).__name__}: {str(error)[:200]}")
+            traceback.print_exc()
+        if args.out:
+            args.out.write_text(json.dumps(ROWS_OUT, indent=1))
+    print("\n| check | what | value | goal / note |\n|---|---|---|---|")
+    for r in ROWS_OUT:
+        print(f"| {r['check']} | {r['what']} | {r['value']} | {r['goal']} |")
+    print(f"\n[gpu_check] {time.perf_counter() - start:.0f} s in all, {failures} check(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
