@@ -11,6 +11,11 @@ rollout actor has one):
 * ``k=2+IS``: k=2 with token-level truncated IS (``rollout_is=token``, threshold 2) and token
   rejection outside [0.5, 2] (``rollout_rs=token``).
 
+``--gpu`` (a CUDA machine with Ray): PPO with a critic (GAE) on a randomly initialised
+Qwen2.5-0.5B-shaped model built from a config in code, 16 prompts x 4 samples of 256 forced
+tokens, ``sync`` vs ``k=1`` by default; the rollout actor takes half of the GPU beside the
+trainer. Held-out accuracy is not measured there (random weights).
+
 It prints seconds per step (the mean over the steps after the first), steps/s relative to
 ``sync``, tokens/s, the reward of the last 10 steps, held-out accuracy (greedy, 200 problems)
 after the last step, and for the asynchronous runs the staleness and the trainer/sampler gap
@@ -19,6 +24,7 @@ fraction rejected). Run:
 
     python benchmarks/async_rl.py [--steps 40] [--seed 0] [--variants sync,k=1,k=2,k=2+IS]
                                   [--override KEY=VALUE ...]
+    python benchmarks/async_rl.py --gpu [--steps 6] [--variants sync,k=1]
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ VARIANTS = {
                "algorithm.rollout_correction.rollout_rs=token",
                "algorithm.rollout_correction.rollout_rs_threshold=2.0"],
 }
+GPU_SETTINGS = [
+    "trainer.device=cuda", "algorithm.adv_estimator=gae", "data.train_batch_size=16",
+    "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.ref.log_prob_micro_batch_size=16",
+    "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size=16", "data.max_response_length=256",
+    "actor_rollout_ref.actor.optim.lr=1e-6", "critic.optim.lr=1e-5", "trainer.test_freq=-1",
+]
 GAP_STATS = ("rollout_is_mean", "rollout_is_std", "rollout_is_eff_sample_size", "rollout_is_ratio_fraction_high",
              "rollout_rs_masked_fraction", "kl")
 
@@ -77,6 +90,8 @@ def run(variant: str, steps: int, seed: int, extra: list[str]) -> dict[str, floa
         "staleness": statistics.mean(h.get("staleness/mean", 0.0) for h in trained),
         "wait_s": statistics.mean(h.get("timing_s/rollout_wait", h.get("timing_s/rollout", 0.0)) for h in trained[1:]),
     }
+    result["phases"] = {key.removeprefix("timing_s/"): statistics.mean(h[key] for h in trained[1:])
+                        for key in trained[-1] if key.startswith("timing_s/") and all(key in h for h in trained[1:])}
     for stat in GAP_STATS:
         values = [h[f"rollout_corr/{stat}"] for h in trained if f"rollout_corr/{stat}" in h]
         if values:
@@ -86,15 +101,23 @@ def run(variant: str, steps: int, seed: int, extra: list[str]) -> dict[str, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=None, help="default 40 (6 with --gpu)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=None, help=f"of {', '.join(VARIANTS)} (default: all; sync,k=1 with --gpu)")
     parser.add_argument("--override", action="append", default=[], help="extra config overrides for every run")
+    parser.add_argument("--gpu", action="store_true", help="PPO with a critic on the Qwen2.5-0.5B shape (needs CUDA)")
     args = parser.parse_args()
     import ray
     import torch
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    args.steps = args.steps or (6 if args.gpu else 40)
+    args.variants = args.variants or ("sync,k=1" if args.gpu else ",".join(VARIANTS))
+    if args.gpu:
+        from model_shapes import qwen25_05b_folder
+
+        args.override = [f"actor_rollout_ref.model.path={qwen25_05b_folder()}", *GPU_SETTINGS, *args.override]
+        print(f"{torch.cuda.get_device_name()}: PPO + critic on the Qwen2.5-0.5B shape", flush=True)
+    ray.init(num_cpus=4, num_gpus=1 if args.gpu else 0, include_dashboard=False, log_to_driver=False)
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}; {threads} torch threads (sync), {max(1, threads - 1)} + 1 in the rollout "
           f"actor (async); {args.steps} steps, seed {args.seed}", flush=True)
@@ -110,6 +133,9 @@ def main() -> None:
         ratio = base["s_per_step"] / r["s_per_step"] if base else float("nan")
         print(f"{variant:<10} {r['s_per_step']:7.3f} {ratio:7.2f} {r['tokens_per_s']:7.0f} {r['reward_last10']:8.3f} "
               f"{r['heldout']:7.3f} {r['staleness']:5.2f} {r['wait_s']:6.3f}")
+    print("seconds per phase (means over the steps after the first):")
+    for variant, r in results.items():
+        print(f"  {variant:<8} " + " ".join(f"{name}={seconds:.3f}" for name, seconds in sorted(r["phases"].items())))
     print("trainer/sampler gap (means over steps; IS statistics before truncation, token level):")
     for variant, r in results.items():
         if "rollout_is_mean" in r:

@@ -146,6 +146,7 @@ class RLTrainer:
         self.critic = self._make_critic() if cfg.algorithm.adv_estimator == "gae" else None
         # async_training.max_staleness > 0: rollouts run ahead of the update (RolloutPipeline).
         self.max_staleness = int(cfg.async_training.max_staleness)
+        self._startup_warnings: list[str] = []  # found while building, said at the first step
         self.rollout: RolloutEngine = self._make_rollout_engine()
         self.pipeline: RolloutPipeline | None = None  # started by the first asynchronous step
         self.agent_loops: AgentLoopRunner | None = None
@@ -221,6 +222,10 @@ class RLTrainer:
             )
         if self.max_staleness:  # in a process of its own, so that it runs during the update
             from opentinker.engine.rollout.remote import RemoteRolloutEngine
+
+            warning = shared_gpu_warning(self.device.type)
+            if warning:
+                self._startup_warnings.append(warning)
 
             if self.device.type == "cpu":  # one core for the engine: oversubscribed OpenMP threads spin
                 torch.set_num_threads(max(1, torch.get_num_threads() - 1))
@@ -694,6 +699,8 @@ class RLTrainer:
     def train_step(self, rows: Sequence[dict] | None = None, *, save: bool = False) -> dict[str, Any]:
         """:meth:`step`, then validation and a checkpoint when the schedule (or ``save``) asks."""
         trainer_cfg = self.cfg.trainer
+        while self._startup_warnings:  # said once, where the driver hears warnings (set after __init__)
+            self.on_warning(self._startup_warnings.pop(0))
         metrics: dict[str, Any] = {"step": self.global_step + 1, **self.step(rows)}
         done = self.global_step == trainer_cfg.total_training_steps
         if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or done):
@@ -827,6 +834,17 @@ def start_wandb(cfg: DictConfig):
         ) from error
     return wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
                       config=OmegaConf.to_container(cfg, resolve=True))
+
+
+def shared_gpu_warning(device_type: str) -> str | None:
+    """What an asynchronous job with the transformers engine on a GPU is told: the rollout actor
+    would share the trainer's GPU, where two processes take turns instead of overlapping."""
+    if device_type != "cuda":
+        return None
+    return ("async_training.max_staleness > 0 puts the transformers rollout engine in a process beside the "
+            "trainer on the same GPU; their kernels take turns there, and such a run measured 0.65x the "
+            "synchronous steps/s on an H100 (benchmarks/README.md). Give the rollout GPUs of its own: "
+            "actor_rollout_ref.rollout.name=vllm with actor_rollout_ref.rollout.placement=separate")
 
 
 def _print_warning(message: str) -> None:

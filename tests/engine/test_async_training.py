@@ -163,3 +163,11 @@ def test_multi_turn_agent_loops_run_asynchronously_on_the_remote_engine(ray_sess
     env_tokens = inside & (batch.response_mask == 0)
     assert env_tokens.any()  # the env's turns are in the responses ...
     assert float(batch.tensors["rollout_logprobs"][env_tokens].abs().max()) == 0.0  # ... and were not sampled
+
+
+def test_an_asynchronous_job_on_one_gpu_is_told_to_give_the_rollout_gpus_of_its_own():
+    from opentinker.engine.trainer import shared_gpu_warning
+
+    assert shared_gpu_warning("cpu") is None  # on CPU the actor has a core of its own
+    warning = shared_gpu_warning("cuda")
+    assert "0.65x" in warning and "actor_rollout_ref.rollout.placement=separate" in warning
