@@ -596,6 +596,7 @@ class RLTrainer:
             "reward/min": float(rewards.min()),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
+            "prompt_length/mean": sum(len(p) for p in batch.prompt_ids) / len(batch),
             "response_length/clip_ratio": truncated / len(rollout.trajectories),
         }
 

@@ -171,3 +171,17 @@ def test_an_asynchronous_job_on_one_gpu_is_told_to_give_the_rollout_gpus_of_its_
     assert shared_gpu_warning("cpu") is None  # on CPU the actor has a core of its own
     warning = shared_gpu_warning("cuda")
     assert "0.65x" in warning and "actor_rollout_ref.rollout.placement=separate" in warning
+
+
+def test_a_rollout_actor_the_cluster_cannot_place_fails_at_once_with_what_it_needs(ray_session, tiny_model_dir):
+    import ray
+
+    from opentinker.engine.rollout.remote import RemoteRolloutEngine
+
+    groups_before = len(ray.util.placement_group_table())
+    # This cluster has no GPU: the actor's half of one can never be placed.
+    with pytest.raises(RuntimeError, match=r"needs 1 CPU and 0\.5 GPU, and the Ray cluster could not place it "
+                                           r"in 1 s \(available: CPU \d+, GPU 0\)"):
+        RemoteRolloutEngine(str(tiny_model_dir), device="cuda", placement_timeout_s=1)
+    states = [g["state"] for g in ray.util.placement_group_table().values()][groups_before:]
+    assert all(state == "REMOVED" for state in states)  # nothing left waiting in the cluster

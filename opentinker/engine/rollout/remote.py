@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from opentinker.engine.backend.fsdp import PLACEMENT_TIMEOUT_S
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 
 
@@ -59,15 +60,34 @@ class RemoteRolloutEngine:
     whatever is called next."""
 
     def __init__(self, model_path: str, *, seed: int = 0, max_batch_size: int = 256, threads: int = 1,
-                 device: str = "cpu", trust_remote_code: bool = False):
+                 device: str = "cpu", trust_remote_code: bool = False,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        options = {"num_cpus": 1, "max_restarts": 0}
-        if device == "cuda":
-            options["num_gpus"] = 0.5  # beside the trainer on one GPU; unproven (no GPU run yet)
-        self._actor = ray.remote(_EngineHost).options(**options).remote(
-            model_path, seed=seed, max_batch_size=max_batch_size, threads=threads, device=device,
-            trust_remote_code=trust_remote_code)
+        # On a GPU, beside the trainer (which Ray does not count) on the same device: the two
+        # take turns there, see shared_gpu_warning in engine/trainer.py.
+        bundle = {"CPU": 1.0, **({"GPU": 0.5} if device == "cuda" else {})}
+        # Placed first, with a deadline: an actor Ray cannot place would wait forever, and
+        # loading a large model may take long, so the two waits are apart.
+        self._group = placement_group([bundle])
+        try:
+            ray.get(self._group.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._group)
+            available = ray.available_resources()
+            raise RuntimeError(
+                "async_training.max_staleness > 0 runs the rollout engine in a Ray actor that needs "
+                + " and ".join(f"{amount:g} {name}" for name, amount in bundle.items())
+                + f", and the Ray cluster could not place it in {placement_timeout_s:g} s (available: "
+                + ", ".join(f"{name} {available.get(name, 0):g}" for name in bundle) + ")"
+            ) from None
+        self._actor = ray.remote(_EngineHost).options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=0),
+        ).remote(model_path, seed=seed, max_batch_size=max_batch_size, threads=threads, device=device,
+                 trust_remote_code=trust_remote_code)
         self._pending: list = []  # weight updates not yet known to have applied
         self.pid = ray.get(self._actor.pid.remote())
 
@@ -103,5 +123,7 @@ class RemoteRolloutEngine:
 
     def close(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         ray.kill(self._actor)
+        remove_placement_group(self._group)
