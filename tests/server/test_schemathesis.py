@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("schemathesis")
 
-MAX_EXAMPLES = 70  # per operation and phase: about 1,250 requests in all
+MAX_EXAMPLES = 35  # per operation and phase: about 630 requests in all
 EXPECTED_STATUSES = ["2xx", "400", "401", "404", "409", "413", "429"]
 
 
@@ -30,6 +30,6 @@ def test_fuzz_every_operation_with_all_checks(start_server, tmp_path, helpers):
     assert done.returncode == 0, done.stdout[-8000:]
     operations = sum(len(methods) for methods in live.app.openapi()["paths"].values())
     assert summary["operations"]["tested"] == operations == 17
-    assert summary["test_cases"]["generated"] >= 1000, summary["test_cases"]
+    assert summary["test_cases"]["generated"] >= 500, summary["test_cases"]
     assert summary["test_cases"]["with_failures"] == 0 and summary["test_cases"]["errored"] == 0
     assert not summary["failures"] and not summary["errors"], (summary["failures"], summary["errors"])

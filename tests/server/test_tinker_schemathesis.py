@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("schemathesis")
 pytest.importorskip("tinker")
 
-MAX_EXAMPLES = 25  # per operation and phase: about 1,500 requests in all
+MAX_EXAMPLES = 15  # per operation and phase: about 900 requests in all
 EXPECTED_STATUSES = ["2xx", "400", "401", "404", "409", "410", "413", "422", "429"]
 # forward_backward's body is protobuf bytes: sent raw, like application/octet-stream.
 HOOKS = Path(__file__).with_name("schemathesis_protobuf_hooks.py")
