@@ -178,7 +178,8 @@ def test_errors_name_what_is_wrong(live, openai_client, finished_job):
              ({"max_tokens": 65}, "max_tokens"),
              ({"temperature": 3}, "temperature"),
              ({"messages": [{"role": "user", "content": "x" * 4000}]}, "context"),
-             ({"messages": [{"role": "user", "content": "x" * 200_001}]}, "content")]
+             ({"messages": [{"role": "user", "content": "x" * 200_001}]}, "content"),
+             ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4 items")]  # a bound the document states
     for extra, word in cases:
         body = {"model": finished_job, "messages": QUESTION, **extra}
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,

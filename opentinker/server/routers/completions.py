@@ -54,7 +54,9 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOPS)
+    # The bound on the list itself, so that the OpenAPI document states it (a Field(max_length)
+    # on the union applies after validation and is missing from the schema).
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
