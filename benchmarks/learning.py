@@ -1,8 +1,11 @@
 """Does training still learn? Reward before vs after, per environment and estimator, with seeds,
 an lr = 0 control, and optionally the same at an older commit side by side.
 
-For each environment (``arithmetic``: the built-in single-turn task; ``guess_number`` and
-``calculator``: multi-turn envs served over HTTP on 127.0.0.1, data-free rows) and estimator
+For each environment (``arithmetic``: the built-in single-turn task; ``arithmetic_env``: the
+same task as an env served over HTTP and played by the agent loop, which the tiny model can
+already solve half the time, so the multi-turn path has a signal to learn from;
+``guess_number`` and ``calculator``: multi-turn envs served over HTTP on 127.0.0.1, data-free
+rows) and estimator
 (``grpo``, ``gae``), ``--seeds`` runs of ``--steps`` steps with the quickstart's settings
 (lr 3e-5, a KL loss) and one run with lr 0 (what the reward does when nothing learns: the
 sampler's noise and the data's order). Each run is its own process. Printed per row: the mean
@@ -13,7 +16,7 @@ seeds), their difference, and the lr = 0 control's difference.
 environment, that commit's ``opentinker`` on the path) and prints it beside; a combination the
 older code refuses (e.g. ``gae`` before the critic existed) shows ``n/a``. Run:
 
-    python benchmarks/learning.py [--envs arithmetic,guess_number,calculator] [--estimators grpo,gae]
+    python benchmarks/learning.py [--envs arithmetic,arithmetic_env,guess_number,calculator] [--estimators grpo,gae]
                                   [--seeds 3] [--steps 40] [--compare-with REV] [--override KEY=VALUE ...]
 """
 
@@ -34,6 +37,8 @@ SETTINGS = ["actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.us
 # Multi-turn episodes: a few turns, a response budget that fits them.
 MULTI_TURN = ["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4", "data.max_response_length=128",
               "data.max_prompt_length=512"]  # the calculator's system prompt is long
+# The benchmark's env names -> the served env (games.BUILTIN_ENVIRONMENTS) each plays.
+SERVED = {"arithmetic_env": "arithmetic", "guess_number": "guess_number", "calculator": "calculator"}
 ESTIMATORS = {"grpo": ["algorithm.adv_estimator=grpo"],
               "gae": ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4"]}
 
@@ -50,7 +55,7 @@ def rewards(trainer):
     try:
         return [m["reward/mean"] for m in trainer.fit() if "reward/mean" in m]
     finally:
-        trainer.close()
+        getattr(trainer, "close", lambda: None)()  # older commits had no close()
 
 if spec["env"] == "arithmetic":
     result = rewards(RLTrainer(make_config(spec["overrides"])))
@@ -58,7 +63,7 @@ else:
     from opentinker.environments.games import BUILTIN_ENVIRONMENTS
     from opentinker.environments.gym_interaction import GymEnvironmentInteraction
     from opentinker.environments.server import running_env_server
-    with running_env_server(BUILTIN_ENVIRONMENTS[spec["env"]]) as urls:
+    with running_env_server(BUILTIN_ENVIRONMENTS[spec["served"]]) as urls:
         rows = [{"extra_info": {"interaction_kwargs": {"name": "env"}}} for _ in range(512)]
         interaction = GymEnvironmentInteraction({"env_endpoint": urls[0]})
         result = rewards(RLTrainer(make_config(spec["overrides"]), train_rows=rows, interactions={"env": interaction}))
@@ -68,7 +73,7 @@ print("RESULT " + json.dumps(result))
 
 def run_one(root: Path, env: str, overrides: list[str], timeout_s: float) -> list[float] | str:
     """The run's rewards per step, or why it has none (the older code refused the config...)."""
-    spec = {"root": str(root), "env": env, "overrides": overrides}
+    spec = {"root": str(root), "env": env, "served": SERVED.get(env), "overrides": overrides}
     try:
         done = subprocess.run([sys.executable, "-c", RUN, json.dumps(spec)], capture_output=True, text=True,
                               timeout=timeout_s, cwd=root)
@@ -117,18 +122,22 @@ def summary(entry: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--envs", default="arithmetic,guess_number,calculator")
+    parser.add_argument("--envs", default="arithmetic,arithmetic_env,guess_number,calculator")
     parser.add_argument("--estimators", default="grpo,gae")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--compare-with", default=None, help="a git revision to run side by side")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--override", action="append", default=[], help="extra config overrides for every run")
+    parser.add_argument("--no-head", action="store_true", help="only the --compare-with column")
     args = parser.parse_args()
+    unknown = sorted(set(args.envs.split(",")) - {"arithmetic", *SERVED})
+    if unknown:
+        parser.error(f"--envs: unknown {', '.join(unknown)} (known: arithmetic, {', '.join(SERVED)})")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(f"{args.steps} steps x {args.seeds} seeds (+1 at lr=0) per row; first-10 -> last-10 mean training reward",
           flush=True)
-    columns = {f"HEAD {head}": grid(ROOT, args, "HEAD")}
+    columns = {} if args.no_head else {f"HEAD {head}": grid(ROOT, args, "HEAD")}
     if args.compare_with:
         with tempfile.TemporaryDirectory() as folder:
             worktree = Path(folder) / "older"

@@ -1,0 +1,224 @@
+"""Each phase of a GRPO step against this machine's own limits: a roofline per phase.
+
+    python benchmarks/roofline.py [--steps 5] [--tokens 64] [--no-tinker]
+
+1. This machine's peaks, with the torch threads the trainer uses: an fp32 matmul of 2048^3
+   (the compute peak), the same at the model's own shapes (a decode step's 64 rows, an update's
+   4096 tokens), and the memory bandwidth of a 256 MiB copy (read + write).
+2. A seeded GRPO run on the embedded tiny model with grpo_vs_trl.py's work: 8 prompts x 8
+   samples, exactly ``--tokens`` sampled tokens each, a KL loss (so a reference pass), one
+   update per step. Each phase's median time over the steps after the first (the trainer's
+   ``timing_s/*``).
+3. The arithmetic of each phase, counted from the model's config: every matmul (2 FLOPs per
+   weight per token; the LM head only where logits are taken) and attention (4 x layers x
+   heads x head_dim x context per token); prompts once per group (the rollout's prefill and
+   the scorer share them); the update is 3x a forward pass (backward twice). Bytes: a decode
+   step reads every weight and each row's KV cache.
+4. Per phase: time, compute bound (FLOPs / matmul peak), memory bound (bytes / bandwidth),
+   which one applies, and the fraction of it reached; then the whole step's.
+
+With the Tinker path (default; ``--no-tinker`` skips it): one LoRA ``forward_backward`` +
+``optim_step`` of 8 rows x 64 tokens through a real server and the real ``tinker`` SDK, against
+the same calls on the same worker class in this process: the service's overhead as a ratio,
+and in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PROMPTS, SAMPLES = 8, 8
+
+
+# -- the machine ----------------------------------------------------------------------------
+def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
+    """FLOP/s of ``[m, k] @ [k, n]`` in fp32, repeated for about ``seconds``."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    repeats, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        repeats += 1
+    return 2 * m * k * n * repeats / (time.perf_counter() - start)
+
+
+def copy_bandwidth() -> float:
+    source = torch.empty(1 << 26)  # 256 MiB of fp32
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start = time.perf_counter()
+    for _ in range(5):
+        target.copy_(source)
+    return 5 * 2 * source.numel() * 4 / (time.perf_counter() - start)
+
+
+# -- the model's arithmetic -----------------------------------------------------------------
+class Shape:
+    def __init__(self, config):
+        self.layers = config.num_hidden_layers
+        self.hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * config.intermediate_size
+        self.body = self.layers * (attention + mlp)  # matmul weights below the LM head
+        self.head = self.hidden * config.vocab_size
+        self.weight_bytes = 4 * (self.body + self.head + self.layers * 2 * self.hidden)
+
+    def attention(self, first: int, last: int) -> float:
+        """FLOPs of attention for one row's tokens at positions first..last-1 (causal)."""
+        contexts = (first + last + 1) * (last - first) / 2  # sum of context lengths
+        return 4 * self.layers * self.heads * self.head_dim * contexts
+
+    def forward(self, prompt: float, response: float, rows: int, groups: int) -> float:
+        """A scoring pass: prompts once per group, each row's response on it, logits at responses."""
+        prompt_pass = groups * (2 * self.body * prompt + self.attention(0, int(prompt)))
+        responses = rows * (2 * (self.body + self.head) * response + self.attention(int(prompt), int(prompt + response)))
+        return prompt_pass + responses
+
+    def decode_bytes(self, prompt: float, response: float, rows: int) -> float:
+        kv_per_token = 2 * self.layers * self.kv_heads * self.head_dim * 4
+        mean_context = prompt + response / 2
+        return response * (self.weight_bytes + rows * mean_context * kv_per_token)
+
+
+def phase_costs(shape: Shape, prompt: float, response: float) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes) of each timed phase of one step; bytes only where memory can bind."""
+    rows = PROMPTS * SAMPLES
+    prefill = PROMPTS * (2 * shape.body * prompt + 2 * shape.head + shape.attention(0, int(prompt)))
+    decode = rows * (2 * (shape.body + shape.head) * response + shape.attention(int(prompt), int(prompt + response)))
+    scoring = shape.forward(prompt, response, rows, PROMPTS)
+    return {"rollout": (prefill + decode, shape.decode_bytes(prompt, response, rows)),
+            "ref_logprob": (scoring, 0.0), "update": (3 * scoring, 0.0)}
+
+
+# -- the run ------------------------------------------------------------------------------------
+def timed_run(steps: int, tokens: int) -> list[dict]:
+    from opentinker.config import make_config
+    from opentinker.engine.trainer import RLTrainer
+
+    overrides = [
+        f"data.train_batch_size={PROMPTS}", "data.shuffle=false", f"data.max_response_length={tokens}",
+        f"actor_rollout_ref.rollout.n={SAMPLES}", "actor_rollout_ref.rollout.ignore_eos=true",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size={PROMPTS * SAMPLES}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size={PROMPTS * SAMPLES}",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-5", "trainer.device=cpu",
+        "trainer.seed=0", f"trainer.total_training_steps={steps + 1}", "trainer.progress_bar=false",
+        "trainer.test_freq=-1", "trainer.val_before_train=false",
+    ]
+    trainer = RLTrainer(make_config(overrides))
+    try:
+        return [trainer.train_step() for _ in range(steps + 1)][1:]  # the first step warms up
+    finally:
+        trainer.close()
+
+
+def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
+    """A LoRA training step through the server and the SDK vs the same worker in this process."""
+    import tinker
+    from _server import BenchServer
+    from tinker import types
+
+    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
+
+    token_rows = [[1 + (r * 7 + j * 13) % 900 for j in range(tokens + 1)] for r in range(rows)]
+    adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
+    worker = AdapterWorker(str(ensure_tiny_model()), device="cpu")
+    worker.add_model("m", LoraSettings(32, 32.0, "all-linear"))
+    data = [(row[:-1], {"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
+
+    def local_step():
+        worker.cycle([ForwardBackwardCall("m", data, "cross_entropy")], [("optim_step", "m", (adam,))])
+
+    local = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        local_step()
+        local.append(time.perf_counter() - start)
+
+    server = BenchServer(Path(__file__).resolve().parents[1]).start()
+    try:
+        key = server.new_key("roofline")
+        service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
+        training = service.create_lora_training_client(base_model="opentinker-tiny-arith", rank=32).result()
+        datums = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
+                              loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
+        params = types.AdamParams(learning_rate=1e-4)
+        remote = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            forward_backward = training.forward_backward(datums, "cross_entropy")
+            step = training.optim_step(params)
+            forward_backward.result()
+            step.result()
+            remote.append(time.perf_counter() - start)
+        service.close("success").result()
+    finally:
+        server.stop()
+    local_s, remote_s = statistics.median(local[1:]), statistics.median(remote[1:])
+    print(f"\nTinker LoRA step ({rows} rows x {tokens} tokens, rank 32), median of {repeats} after a warm-up:")
+    print(f"  in-process AdapterWorker.cycle: {local_s * 1e3:.1f} ms; through the server and the SDK: "
+          f"{remote_s * 1e3:.1f} ms")
+    print(f"  service overhead: x{remote_s / local_s:.2f} ({(remote_s - local_s) * 1e3:+.1f} ms per step: HTTP "
+          "requests, the futures' polling, the JSON/protobuf wire, the scheduler's queue)")
+
+
+def main() -> None:
+    from transformers import AutoConfig
+
+    from opentinker.engine.tiny import ensure_tiny_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per response (forced)")
+    parser.add_argument("--no-tinker", action="store_true", help="skip the Tinker service-overhead part")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shape = Shape(AutoConfig.from_pretrained(str(ensure_tiny_model())))
+    threads = torch.get_num_threads()
+    peak = matmul_rate(2048, 2048, 2048)
+    decode_shape = matmul_rate(PROMPTS * SAMPLES, shape.hidden, 4 * shape.hidden)
+    update_shape = matmul_rate(4096, shape.hidden, 4 * shape.hidden)
+    bandwidth = copy_bandwidth()
+    print(f"torch {torch.__version__}, {threads} threads: fp32 matmul 2048^3 {peak / 1e9:.0f} GFLOP/s; at the model's "
+          f"shapes {decode_shape / 1e9:.0f} (64 x {shape.hidden} x {4 * shape.hidden}, a decode step) and "
+          f"{update_shape / 1e9:.0f} (4096 rows, an update); copy {bandwidth / 1e9:.1f} GB/s", flush=True)
+
+    history = timed_run(args.steps, args.tokens)
+    prompt = statistics.mean(h["prompt_length/mean"] for h in history)
+    response = statistics.mean(h["response_length/mean"] for h in history)
+    costs = phase_costs(shape, prompt, response)
+    seconds = {key.removeprefix("timing_s/"): statistics.median(h[key] for h in history)
+               for key in history[0] if key.startswith("timing_s/")}
+    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, prompt {prompt:.1f} + response {response:.1f} tokens, "
+          f"median of {args.steps} steps\n")
+    print(f"{'phase':<12} {'time s':>7} {'GFLOP':>7} {'compute s':>9} {'memory s':>8} {'bound':>7} {'of bound':>8}")
+    total_compute = 0.0
+    for phase, (flops, nbytes) in costs.items():
+        compute_s, memory_s = flops / peak, nbytes / bandwidth
+        bound = max(compute_s, memory_s)
+        total_compute += compute_s
+        print(f"{phase:<12} {seconds[phase]:7.3f} {flops / 1e9:7.2f} {compute_s:9.3f} {memory_s:8.3f} "
+              f"{'compute' if compute_s >= memory_s else 'memory':>7} {bound / seconds[phase]:8.0%}")
+    rest = seconds["step"] - sum(seconds[p] for p in costs)
+    print(f"{'the rest':<12} {rest:7.3f}  (advantages, weight sync, batching: no arithmetic counted)")
+    print(f"\nwhole step: {total_compute / seconds['step']:.0%} of its compute bound "
+          f"({seconds['step']:.3f} s for {total_compute:.3f} s of arithmetic at the 2048^3 matmul rate)")
+    if not args.no_tinker:
+        tinker_overhead()
+
+
+if __name__ == "__main__":
+    main()
