@@ -45,8 +45,7 @@ from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.backend.value_head import attach_value_head
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing
-
-PLACEMENT_TIMEOUT_S = 60.0
+from opentinker.engine.placement import PLACEMENT_TIMEOUT_S, wait_until_placed
 
 
 def _rendezvous_address() -> tuple[str, int]:
@@ -322,7 +321,7 @@ def place_ranks(rank_class: type, options: BackendSpec, placement_timeout_s: flo
     (``trainer.nnodes``) they sit ``ranks / nodes`` on each of that many distinct Ray nodes
     (ranks 0 to ``ranks / nodes - 1`` on one of them, and so on). Returns the group and the actors."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
@@ -344,16 +343,10 @@ def place_ranks(rank_class: type, options: BackendSpec, placement_timeout_s: flo
         _check_enough_nodes(nodes, node_bundle, resource)
         group = placement_group([node_bundle] * nodes, strategy="STRICT_SPREAD")
         bundle_of = [rank // per_node for rank in range(world_size)]
-    try:
-        ray.get(group.ready(), timeout=placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        available = ray.available_resources()
-        where = f" on {nodes} nodes ({per_node} on each, trainer.nnodes)" if nodes > 1 else ""
-        raise RuntimeError(
-            f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each{where} (trainer.nnodes x "
-            f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"
-        ) from None
+    where = f" on {nodes} nodes ({per_node} on each, trainer.nnodes)" if nodes > 1 else ""
+    wait_until_placed(group, placement_timeout_s, lambda available: (
+        f"the Ray cluster cannot place {world_size} FSDP ranks of 1 {resource} each{where} (trainer.nnodes x "
+        f"trainer.n_gpus_per_node); {resource} available: {available.get(resource, 0):g}"))
     remote = ray.remote(rank_class)
     # Rank 0's node, which may not be this one (trainer.nnodes > 1). On one machine running
     # several Ray nodes they all share its address: the free port makes the rendezvous unique.

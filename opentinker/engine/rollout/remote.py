@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from opentinker.engine.backend.fsdp import PLACEMENT_TIMEOUT_S
+from opentinker.engine.placement import PLACEMENT_TIMEOUT_S, wait_until_placed
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 
 
@@ -63,7 +63,7 @@ class RemoteRolloutEngine:
                  device: str = "cpu", trust_remote_code: bool = False,
                  placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         # On a GPU, beside the trainer (which Ray does not count) on the same device: the two
@@ -72,17 +72,11 @@ class RemoteRolloutEngine:
         # Placed first, with a deadline: an actor Ray cannot place would wait forever, and
         # loading a large model may take long, so the two waits are apart.
         self._group = placement_group([bundle])
-        try:
-            ray.get(self._group.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._group)
-            available = ray.available_resources()
-            raise RuntimeError(
-                "async_training.max_staleness > 0 runs the rollout engine in a Ray actor that needs "
-                + " and ".join(f"{amount:g} {name}" for name, amount in bundle.items())
-                + f", and the Ray cluster could not place it in {placement_timeout_s:g} s (available: "
-                + ", ".join(f"{name} {available.get(name, 0):g}" for name in bundle) + ")"
-            ) from None
+        wait_until_placed(self._group, placement_timeout_s, lambda available: (
+            "async_training.max_staleness > 0 runs the rollout engine in a Ray actor that needs "
+            + " and ".join(f"{amount:g} {name}" for name, amount in bundle.items())
+            + f", and the Ray cluster could not place it in {placement_timeout_s:g} s (available: "
+            + ", ".join(f"{name} {available.get(name, 0):g}" for name in bundle) + ")"))
         self._actor = ray.remote(_EngineHost).options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=0),

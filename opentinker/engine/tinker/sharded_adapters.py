@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend.fsdp import PLACEMENT_TIMEOUT_S, build_sharded_model, join_process_group, place_ranks
+from opentinker.engine.backend.fsdp import build_sharded_model, join_process_group, place_ranks
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.placement import PLACEMENT_TIMEOUT_S
 from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Adapter, _Prepared
 
 log = logging.getLogger("opentinker.engine.tinker")
