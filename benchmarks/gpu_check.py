@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -57,7 +58,10 @@ def row(check: str, what: str, value: str, goal: str = "") -> None:
     print(f"[gpu_check] {check:<9} {what:<44} {value:<28} {goal}", flush=True)
 
 
-def synced_seconds(fn, repeats: int = 1) -> float:
+def synced_seconds(fn, repeats: int = 1, warmup: int = 0) -> float:
+    """Seconds per call of ``fn`` on the GPU, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
@@ -79,14 +83,12 @@ def spec_peak() -> float | None:
 
 # -- checks -------------------------------------------------------------------------------
 def check_hardware(state: dict) -> None:
+    from rollout_throughput import measured_bandwidth
+
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    synced_seconds(lambda: a @ b, 3)
-    matmul = 2 * 8192 ** 3 / synced_seconds(lambda: a @ b, 10)
-    source = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    target = torch.empty_like(source)
-    synced_seconds(lambda: target.copy_(source), 2)
-    bandwidth = 2 * source.numel() * 2 / synced_seconds(lambda: target.copy_(source), 10)
+    matmul = 2 * 8192 ** 3 / synced_seconds(lambda: a @ b, 10, warmup=3)
+    bandwidth = measured_bandwidth()  # a 2 GiB device-to-device copy
     state.update(matmul=matmul, bandwidth=bandwidth)
     row("hardware", torch.cuda.get_device_name(), f"torch {torch.__version__}")
     row("hardware", "bf16 matmul 8192^3", f"{matmul / 1e12:.0f} TFLOP/s",
@@ -110,8 +112,7 @@ def timed_updates(forward_backward, optim_step, batch, repeats: int = 2) -> floa
             forward_backward(batch.select(range(start, start + MICRO)))
         optim_step()
 
-    update()
-    return synced_seconds(update, repeats)
+    return synced_seconds(update, repeats, warmup=1)
 
 
 def report_update(check: str, label: str, seconds: float, parameters: int, state: dict, goal: str = "") -> None:
@@ -222,8 +223,7 @@ def check_adapters(state: dict) -> None:
         if failed:
             raise RuntimeError(f"adapter cycle failed: {failed[0]}")
 
-    cycle()
-    seconds = synced_seconds(cycle, 2)
+    seconds = synced_seconds(cycle, 2, warmup=1)
     tokens = len(models) * 4 * 512
     row("adapters", "4 LoRA models x 4 rows x 512 on one base", f"{seconds:.2f} s/cycle, {tokens / seconds:,.0f} tok/s")
     row("adapters", "peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
@@ -239,9 +239,10 @@ def run_recipe(check: str, overrides: list[str]) -> None:
                      "trainer.progress_bar=false", "trainer.seed=0", *overrides])
     seconds = time.perf_counter() - start
     rewards = [round(m["reward/mean"], 3) for m in history]
-    finite = all(v == v for m in history for v in m.values() if isinstance(v, float))
-    row(check, f"tiny model, {steps} steps on {RECIPE_DEVICE}: reward/mean", str(rewards), "finite" if finite else "NaN seen")
-    if "critic/vf_loss" in history[-1]:  # the critic trained: its loss and fit, step by step
+    finite = all(math.isfinite(v) for m in history for v in m.values() if isinstance(v, float))
+    row(check, f"tiny model, {steps} steps on {RECIPE_DEVICE}: reward/mean", str(rewards),
+        "every metric finite" if finite else "NaN or inf seen")
+    if "critic/vf_loss" in history[-1]:  # the critic trained: its loss, step by step
         row(check, "critic vf_loss", str([round(m["critic/vf_loss"], 4) for m in history]))
     row(check, "median s/step (after the first)", f"{statistics.median(m['timing_s/step'] for m in history[1:]):.2f} s",
         f"{seconds:.0f} s in all")

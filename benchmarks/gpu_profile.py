@@ -25,22 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_check import synced_seconds  # noqa: E402
 from model_shapes import qwen25_05b_folder  # noqa: E402
 
 from opentinker.engine.backend import BackendSpec, make_backend, token_logprobs  # noqa: E402
 from opentinker.engine.batch import TokenBatch  # noqa: E402
 
 PROMPT, RESPONSE, ROWS = 128, 512, 16
-
-
-def seconds_per_call(fn, repeats: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
 
 
 def main() -> None:
@@ -66,7 +57,8 @@ def main() -> None:
     gpu_chunk = token_logprobs.GPU_CHUNK_ELEMENTS
     for chunk in (token_logprobs.CHUNK_ELEMENTS, gpu_chunk):
         token_logprobs.GPU_CHUNK_ELEMENTS = chunk
-        report(f"LocalBackend fwd+bwd, {tokens} tokens, logprob chunks of {chunk * 4 >> 20} MiB", seconds_per_call(ours))
+        report(f"LocalBackend fwd+bwd, {tokens} tokens, logprob chunks of {chunk * 4 >> 20} MiB",
+               synced_seconds(ours, 3, warmup=1))
     token_logprobs.GPU_CHUNK_ELEMENTS = gpu_chunk
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         ours()
@@ -81,9 +73,9 @@ def main() -> None:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    report("peer: model(labels=) fp32 weights + bf16 autocast", seconds_per_call(peer))
+    report("peer: model(labels=) fp32 weights + bf16 autocast", synced_seconds(peer, 3, warmup=1))
     model.to(torch.bfloat16)
-    report("peer: model(labels=) bf16 weights", seconds_per_call(peer))
+    report("peer: model(labels=) bf16 weights", synced_seconds(peer, 3, warmup=1))
 
     model.eval()
     prompt = torch.randint(3, 150000, (64, PROMPT), device="cuda")
@@ -96,7 +88,7 @@ def main() -> None:
         start = time.perf_counter()
         model.generate(prompt, **options)
         first = time.perf_counter() - start
-        rate = 64 * new / seconds_per_call(lambda: model.generate(prompt, **options), 1)
+        rate = 64 * new / synced_seconds(lambda: model.generate(prompt, **options), 1, warmup=1)
         signal.alarm(0)
         print(f"[gpu_profile] generate, {cache} cache, 64 x {new}: first call {first:.1f} s, then {rate:,.0f} tokens/s",
               flush=True)
