@@ -21,7 +21,8 @@ Checks (``--only`` picks some):
 * ``lora``: the same update with LoRA rank 32 on every linear layer.
 * ``rollout``: the transformers rollout engine, bf16, 64 and 256 prompts of 128 tokens + 256
   generated (``ignore_eos``), tokens/s against the decode's memory bound (every step reads all
-  weights and each row's KV cache at the measured bandwidth).
+  weights and each row's KV cache at the measured bandwidth); then the compiled decode
+  (``compile_decode=True``) against it on 64 rows (``benchmarks/compiled_decode.py``).
 * ``adapters``: the Tinker multi-tenant worker, 4 LoRA models on one 0.5B base, one batched
   forward_backward + optim_step of all four.
 * ``grpo`` / ``gae``: a few steps of the quickstart's GRPO (and of PPO with a critic) on the
@@ -191,7 +192,15 @@ def check_rollout(state: dict) -> None:
         bound = decode_bound(state["folder"], batch, PROMPT, tokens, state["bandwidth"])
         row("rollout", f"transformers bf16, {batch} x ({PROMPT} + {tokens})",
             f"{rate:,.0f} tok/s = {rate / bound:.1%} of bound", f"bound {bound:,.0f}; goal >= 50%")
-    row("rollout", "compiled decode (static cache)", "not built yet", "issue 21 item 2")
+    from compiled_decode import compare
+
+    compiled = transformers_engine(state["folder"], torch.device("cuda"), torch.bfloat16, compile_decode=True)
+    prompts = torch.randint(3, TOKEN_HIGH, (64, PROMPT), generator=generator).tolist()
+    result = compare(engine, compiled, prompts, tokens, rounds=2)
+    row("rollout", f"compiled decode, 64 x ({PROMPT} + {tokens})",
+        f"{result['compiled_tok_s']:,.0f} tok/s = x{result['compiled_tok_s'] / result['eager_tok_s']:.2f} of eager",
+        f"first call {result['first_call_s']:.0f} s; greedy same {result['same_rows']}/64, "
+        f"logprob gap {result['logprob_gap']:.0e}")
 
 
 def check_adapters(state: dict) -> None:

@@ -1,14 +1,15 @@
 """Each phase of a GRPO step against this machine's own limits: a roofline per phase.
 
-    python benchmarks/roofline.py [--steps 5] [--tokens 64] [--no-tinker]
+    python benchmarks/roofline.py [--steps 5] [--tokens 64] [--no-tinker] [--eager-decode]
 
 1. This machine's peaks, with the torch threads the trainer uses: an fp32 matmul of 2048^3
    (the compute peak), the same at the model's own shapes (a decode step's 64 rows, an update's
    4096 tokens), and the memory bandwidth of a 256 MiB copy (read + write).
 2. A seeded GRPO run on the embedded tiny model with grpo_vs_trl.py's work: 8 prompts x 8
    samples, exactly ``--tokens`` sampled tokens each, a KL loss (so a reference pass), one
-   update per step. Each phase's median time over the steps after the first (the trainer's
-   ``timing_s/*``).
+   update per step, the rollout's decode compiled (``--eager-decode``: not). Each phase's median
+   time over the steps after the first (the trainer's ``timing_s/*``); the first step's time
+   is printed apart (it includes the compile).
 3. The arithmetic of each phase, counted from the model's config: every matmul (2 FLOPs per
    weight per token; the LM head only where logits are taken) and attention (4 x layers x
    heads x head_dim x context per token); prompts once per group (the rollout's prefill and
@@ -101,7 +102,7 @@ def phase_costs(shape: Shape, prompt: float, response: float) -> dict[str, tuple
 
 
 # -- the run ------------------------------------------------------------------------------------
-def timed_run(steps: int, tokens: int) -> list[dict]:
+def timed_run(steps: int, tokens: int, compile_decode: bool) -> list[dict]:
     from opentinker.config import make_config
     from opentinker.engine.trainer import RLTrainer
 
@@ -114,10 +115,11 @@ def timed_run(steps: int, tokens: int) -> list[dict]:
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-5", "trainer.device=cpu",
         "trainer.seed=0", f"trainer.total_training_steps={steps + 1}", "trainer.progress_bar=false",
         "trainer.test_freq=-1", "trainer.val_before_train=false",
+        f"actor_rollout_ref.rollout.compile_decode={str(compile_decode).lower()}",
     ]
     trainer = RLTrainer(make_config(overrides))
     try:
-        return [trainer.train_step() for _ in range(steps + 1)][1:]  # the first step warms up
+        return [trainer.train_step() for _ in range(steps + 1)]  # the first one warms up (and compiles)
     finally:
         trainer.close()
 
@@ -184,6 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per response (forced)")
     parser.add_argument("--no-tinker", action="store_true", help="skip the Tinker service-overhead part")
+    parser.add_argument("--eager-decode", action="store_true", help="rollout.compile_decode=false")
     args = parser.parse_args()
     torch.manual_seed(0)
     shape = Shape(AutoConfig.from_pretrained(str(ensure_tiny_model())))
@@ -196,14 +199,16 @@ def main() -> None:
           f"shapes {decode_shape / 1e9:.0f} (64 x {shape.hidden} x {4 * shape.hidden}, a decode step) and "
           f"{update_shape / 1e9:.0f} (4096 rows, an update); copy {bandwidth / 1e9:.1f} GB/s", flush=True)
 
-    history = timed_run(args.steps, args.tokens)
+    first, *history = timed_run(args.steps, args.tokens, not args.eager_decode)
     prompt = statistics.mean(h["prompt_length/mean"] for h in history)
     response = statistics.mean(h["response_length/mean"] for h in history)
     costs = phase_costs(shape, prompt, response)
     seconds = {key.removeprefix("timing_s/"): statistics.median(h[key] for h in history)
                for key in history[0] if key.startswith("timing_s/")}
+    decode = "eager decode" if args.eager_decode else "compiled decode"
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples, prompt {prompt:.1f} + response {response:.1f} tokens, "
-          f"median of {args.steps} steps\n")
+          f"{decode}, median of {args.steps} steps after a first one of {first['timing_s/step']:.1f} s "
+          f"(its rollout {first['timing_s/rollout']:.1f} s)\n")
     print(f"{'phase':<12} {'time s':>7} {'GFLOP':>7} {'compute s':>9} {'memory s':>8} {'bound':>7} {'of bound':>8}")
     total_compute = 0.0
     for phase, (flops, nbytes) in costs.items():

@@ -104,6 +104,9 @@ DEFAULTS: dict[str, Any] = {
             "enable_prefix_caching": True,
             "max_model_len": None,  # vllm: None = data.max_prompt_length + data.max_response_length
             "max_batch_size": 256,  # concurrent sequences in one generate call
+            # transformers engine: decode steps through torch.compile (one graph per run, cached
+            # on disk); false: the eager step (debugging). See rollout/compiled_decode.py.
+            "compile_decode": False,
             "val_temperature": 0.0,  # greedy validation
             "val_n": 1,  # samples per validation prompt; > 1 (with val_temperature > 0) reports pass@k
             "ignore_eos": False,  # always generate data.max_response_length tokens (benchmarks)

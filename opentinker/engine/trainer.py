@@ -231,7 +231,8 @@ class RLTrainer:
                 torch.set_num_threads(max(1, torch.get_num_threads() - 1))
             return RemoteRolloutEngine(
                 str(self.model_path), seed=self.cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size,
-                threads=1, device=self.device.type, trust_remote_code=ar.model.trust_remote_code)
+                threads=1, device=self.device.type, trust_remote_code=ar.model.trust_remote_code,
+                compile_decode=ar.rollout.compile_decode)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, trust_remote_code=ar.model.trust_remote_code)
         return make_rollout_engine(
@@ -242,6 +243,7 @@ class RLTrainer:
             seed=self.cfg.trainer.seed,
             max_batch_size=ar.rollout.max_batch_size,
             tokenizer=self.tokenizer,
+            compile_decode=ar.rollout.compile_decode,
         )
 
     # -- phases --------------------------------------------------------------------

@@ -330,3 +330,50 @@ def test_joining_drops_columns_that_are_padding_in_every_row(engine, arithmetic_
     assert batch.width == 3 + 3  # the short row's prompt and the tokens it has so far
     _run(batch, got := {})
     assert len(got["short"].token_ids) == 40 and len(got["late"].token_ids) == 5
+
+
+def test_compiled_decode_gives_the_eager_tokens_and_logprobs_with_one_compile(tiny_model_dir, tiny_tokenizer,
+                                                                              arithmetic_prompt_ids):
+    """``compile_decode=True`` (torch.compile over the in-place cache): greedy and seeded rows
+    give the eager engine's tokens and logprobs within 1e-5, through rows leaving the batch at
+    different steps, a second batch of other widths and rows joining a running batch; the whole
+    test compiles the step once (the widths and batch sizes are dynamic dimensions)."""
+    from torch._dynamo.utils import counters
+
+    from opentinker.engine.model_loading import load_causal_lm
+    from opentinker.engine.rollout.decode_batch import DecodeBatch
+
+    def make(compiled):
+        return TransformersRolloutEngine(load_causal_lm(str(tiny_model_dir)), [tiny_tokenizer.eos_token_id],
+                                         tiny_tokenizer.pad_token_id, seed=0, tokenizer=tiny_tokenizer,
+                                         compile_decode=compiled)
+
+    eager, compiled = make(False), make(True)
+    prompts = [p for p in arithmetic_prompt_ids[:3] for _ in range(3)] + [arithmetic_prompt_ids[3][:7]]
+    params = [SamplingParams(temperature=t, max_tokens=m, seed=i if t else None, ignore_eos=i % 3 != 2)
+              for i, (t, m) in enumerate(zip([0, 1.0, 0.7, 1.0, 0, 1.3, 0, 0.7, 1.0, 0],
+                                             [5, 30, 12, 30, 1, 18, 30, 9, 24, 30]))]
+    second = [arithmetic_prompt_ids[4] + arithmetic_prompt_ids[5], arithmetic_prompt_ids[5][:5]]
+    second_params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2
+    graphs_before = counters["stats"]["unique_graphs"]
+    for batch_prompts, batch_params in ((prompts, params), (second, second_params)):
+        want, got = eager.generate(batch_prompts, batch_params), compiled.generate(batch_prompts, batch_params)
+        assert len({len(c.token_ids) for c in got}) > 1 or batch_prompts is second
+        for expected, actual in zip(want, got):
+            assert actual.token_ids == expected.token_ids
+            assert torch.allclose(torch.tensor(actual.logprobs), torch.tensor(expected.logprobs), atol=1e-5)
+
+    results = []
+    for engine in (eager, compiled):  # continuous batching: rows absorbed 4 steps in
+        batch = DecodeBatch.prefill(engine, prompts[:2], params[1:3], ["a", "b"])
+        got: dict = {}
+        for _ in range(4):
+            got.update(batch.step())
+        batch.absorb(DecodeBatch.prefill(engine, second, second_params, ["c", "d"]))
+        _run(batch, got)
+        results.append(got)
+    for tag in "abcd":
+        assert results[1][tag].token_ids == results[0][tag].token_ids
+        assert torch.allclose(torch.tensor(results[1][tag].logprobs), torch.tensor(results[0][tag].logprobs),
+                              atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 2  # one graph (two if the first was static)

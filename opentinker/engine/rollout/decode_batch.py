@@ -139,13 +139,17 @@ class DecodeBatch:
         width = self.width
         if self.on_forward is not None:
             self.on_forward(list(self.tags))
-        self.logits = self.engine.model(
-            input_ids=chosen.unsqueeze(-1),
-            attention_mask=self.mask[:, :width + 1],
-            position_ids=self.position.unsqueeze(-1),
-            past_key_values=self.cache,
-            use_cache=True,
-        ).logits[:, -1, :]
+        compiled = getattr(self.engine, "compiled_decode", None)
+        if compiled is not None:
+            self.logits = compiled(chosen.unsqueeze(-1), self.mask, self.position.unsqueeze(-1), self.cache)
+        else:
+            self.logits = self.engine.model(
+                input_ids=chosen.unsqueeze(-1),
+                attention_mask=self.mask[:, :width + 1],
+                position_ids=self.position.unsqueeze(-1),
+                past_key_values=self.cache,
+                use_cache=True,
+            ).logits[:, -1, :]
         self.position = self.position + 1
         return finished
 

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
+from opentinker.engine.rollout.compiled_decode import CompiledDecode
 from opentinker.engine.rollout.decode_batch import DecodeBatch
 
 #: ``on_tokens(rows, tokens)`` of :meth:`TransformersRolloutEngine.generate`.
@@ -42,8 +43,11 @@ class TransformersRolloutEngine:
         seed: int = 0,
         max_batch_size: int = 256,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        compile_decode: bool = False,
     ):
         self.model = model.eval()
+        # torch.compile'd decode steps (:mod:`.compiled_decode`); None: the eager step.
+        self.compiled_decode = CompiledDecode(self.model) if compile_decode else None
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size

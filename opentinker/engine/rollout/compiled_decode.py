@@ -1,0 +1,117 @@
+"""The decode step of :class:`.decode_batch.DecodeBatch` compiled with ``torch.compile``.
+
+The model code is transformers' own (no second copy to keep true); what changes is how a step
+reaches the KV cache. The eager step hands the model a ``DynamicCache`` whose layers keep their
+length in Python ints, which a compiled graph would bake in (a recompile per token). Here the
+compiled function gets the in-place cache's preallocated buffers and writes each layer's new
+key and value at the column given by the attention mask's width, a dynamic dimension: one graph
+serves every width and batch size, so a run compiles once (inductor also caches the compiled
+code on disk, so later processes skip most of it). The cache's lengths move on after the call,
+outside the graph.
+
+Attention in the compiled step is the plain ``softmax(q k^T) v`` (transformers' "eager"
+attention), which inductor fuses; the prefill keeps the model's own attention (sdpa).
+Numbers: the same as the eager step up to float rounding (see ``tests/engine/test_rollout.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from opentinker.engine.rollout.kv_cache import InPlaceLayer
+
+#: The attention the compiled model uses: matmul attention in a compiled step (inductor fuses it
+#: with the softmax and the grouped heads' expansion), transformers' sdpa everywhere else.
+DECODE_ATTENTION = "opentinker_decode"
+
+
+def _decode_attention(module, query, key, value, attention_mask, **kwargs):
+    # The compiled step's masks are additive floats; transformers' own (prefill, eager step) are sdpa's booleans.
+    if query.shape[-2] == 1 and attention_mask is not None and attention_mask.is_floating_point():
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
+# The masks transformers builds (the prefill's) are sdpa's; a compiled step passes its own.
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+
+
+class _ColumnWriter:
+    """The cache the model sees during one compiled step: layer ``i`` writes its new key and
+    value into column ``width - 1`` of its buffers and attends to columns ``[0, width)``."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], width: int):
+        self.keys, self.values, self.width = keys, values, width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values, width = self.keys[layer_idx], self.values[layer_idx], self.width
+        keys[:, :, width - 1:width] = key_states
+        values[:, :, width - 1:width] = value_states
+        return keys[:, :, :width], values[:, :, :width]
+
+
+def _step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+          keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    cache = _ColumnWriter(keys, values, mask.shape[-1])
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask={"full_attention": mask},
+                 past_key_values=cache, use_cache=True).logits[:, -1, :]
+
+
+def can_compile(model: Any) -> bool:
+    """Whether this model's decode can be compiled: every layer plain full attention (a sliding
+    window's cache is not an :class:`InPlaceLayer`)."""
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    return all(kind == "full_attention" for kind in layer_types)
+
+
+class CompiledDecode:
+    """``decode(input_ids, mask, position, cache) -> logits``: one decode step of ``model``.
+
+    ``mask`` is the batch's ``[rows, columns]`` 0/1 mask (at least ``cache length + 1`` columns),
+    ``position`` each row's position id, ``cache`` an in-place cache (:mod:`.kv_cache`) whose
+    layers are all :class:`InPlaceLayer`. The model's attention is switched to
+    :data:`DECODE_ATTENTION` (the same numbers for the prefill, which goes on using sdpa).
+    """
+
+    def __init__(self, model: Any):
+        if not can_compile(model):
+            raise ValueError("compile_decode: this model has layers other than full attention "
+                             f"({sorted(set(model.config.layer_types))}); use the eager decode")
+        model.set_attn_implementation(DECODE_ATTENTION)
+        self.model = model
+        self._step = torch.compile(_step, dynamic=True)
+
+    def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
+        layers = cache.layers
+        if len(input_ids) == 1:  # a graph would specialise a batch of one: a second compile for little gain
+            return self.model(input_ids=input_ids, attention_mask=mask[:, :layers[0].length + 1], position_ids=position,
+                              past_key_values=cache, use_cache=True).logits[:, -1, :]
+        if not all(isinstance(layer, InPlaceLayer) and layer.is_initialized for layer in layers):
+            raise TypeError("CompiledDecode needs a prefilled in-place cache (kv_cache.in_place_cache)")
+        width = layers[0].length + 1
+        for layer in layers:
+            if width > layer._keys.shape[-2]:
+                layer._grow(2 * layer._keys.shape[-2])
+        # Additive mask (0 = attend): the form matmul attention adds to its scores.
+        blocked = torch.finfo(layers[0].dtype).min
+        additive = (1 - mask[:, None, None, :width].to(layers[0].dtype)) * blocked
+        keys, values = [layer._keys for layer in layers], [layer._values for layer in layers]
+        # Rows and columns vary from step to step: say so up front, or the first graph is built
+        # for the first shapes only and a second compile follows.
+        for buffer in (*keys, *values):
+            torch._dynamo.maybe_mark_dynamic(buffer, 0)
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
+        for dim in (0, 3):
+            torch._dynamo.maybe_mark_dynamic(additive, dim)
+        logits = self._step(self.model, input_ids, position, additive, keys, values)
+        for layer in layers:
+            layer.length = width
+            layer._refresh_views()
+        return logits
