@@ -21,7 +21,8 @@
 With the Tinker path (default; ``--no-tinker`` skips it): one LoRA ``forward_backward`` +
 ``optim_step`` of 8 rows x 64 tokens through a real server and the real ``tinker`` SDK, against
 the same calls on the same worker class in this process: the service's overhead as a ratio,
-and in milliseconds.
+and per call (forward_backward alone, optim_step alone, and a bare HTTP round trip) where the
+extra milliseconds go.
 """
 
 from __future__ import annotations
@@ -141,14 +142,13 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
     worker.add_model("m", LoraSettings(32, 32.0, "all-linear"))
     data = [(row[:-1], {"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
 
-    def local_step():
-        worker.cycle([ForwardBackwardCall("m", data, "cross_entropy")], [("optim_step", "m", (adam,))])
+    def local(calls, ops):
+        return lambda: worker.cycle(calls, ops)
 
-    local = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        local_step()
-        local.append(time.perf_counter() - start)
+    fb_call = [ForwardBackwardCall("m", data, "cross_entropy")]
+    optim_op = [("optim_step", "m", (adam,))]
+    local_s = {name: timed(fn, repeats) for name, fn in (
+        ("step", local(fb_call, optim_op)), ("forward_backward", local(fb_call, [])), ("optim_step", local([], optim_op)))}
 
     server = BenchServer(Path(__file__).resolve().parents[1]).start()
     try:
@@ -158,23 +158,39 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
         datums = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
                               loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
         params = types.AdamParams(learning_rate=1e-4)
-        remote = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            forward_backward = training.forward_backward(datums, "cross_entropy")
+
+        def remote_step():
+            forward_backward = training.forward_backward(datums, "cross_entropy")  # both sent before waiting
             step = training.optim_step(params)
             forward_backward.result()
             step.result()
-            remote.append(time.perf_counter() - start)
+
+        remote_s = {name: timed(fn, repeats) for name, fn in (
+            ("step", remote_step), ("forward_backward", lambda: training.forward_backward(datums, "cross_entropy").result()),
+            ("optim_step", lambda: training.optim_step(params).result()),
+            ("round trip", lambda: service.get_server_capabilities()))}
         service.close("success").result()
     finally:
         server.stop()
-    local_s, remote_s = statistics.median(local[1:]), statistics.median(remote[1:])
-    print(f"\nTinker LoRA step ({rows} rows x {tokens} tokens, rank 32), median of {repeats} after a warm-up:")
-    print(f"  in-process AdapterWorker.cycle: {local_s * 1e3:.1f} ms; through the server and the SDK: "
-          f"{remote_s * 1e3:.1f} ms")
-    print(f"  service overhead: x{remote_s / local_s:.2f} ({(remote_s - local_s) * 1e3:+.1f} ms per step: HTTP "
-          "requests, the futures' polling, the JSON/protobuf wire, the scheduler's queue)")
+    print(f"\nTinker LoRA step ({rows} rows x {tokens} tokens, rank 32), median of {repeats} after a warm-up, ms:")
+    print(f"  {'':18} {'in-process':>10} {'server+SDK':>10} {'extra':>7}")
+    for name in ("forward_backward", "optim_step", "step"):
+        print(f"  {name:18} {local_s[name] * 1e3:10.1f} {remote_s[name] * 1e3:10.1f} "
+              f"{(remote_s[name] - local_s[name]) * 1e3:+7.1f}")
+    print(f"  {'round trip':18} {'':10} {remote_s['round trip'] * 1e3:10.1f}  (get_server_capabilities: one HTTP "
+          "request, the floor of each call)")
+    print(f"  service overhead: x{remote_s['step'] / local_s['step']:.2f} (a call is an HTTP submit, a Ray call to "
+          "the worker and a long-polled retrieve_future)")
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
 
 
 def main() -> None:

@@ -35,6 +35,9 @@ class JobCancelled(Exception):
 class JobRunner:
     def __init__(self, job_id: str, spec: dict[str, Any], job_dir: str, policy: JobPolicy | None = None,
                  resume_from_step: int | None = None):
+        from opentinker.engine.cpu_threads import use_node_cores  # torch: only in the job's actor
+
+        use_node_cores()
         self.job_id = job_id
         self.resume_from_step = resume_from_step
         self.spec = JobCreate.model_validate(spec)

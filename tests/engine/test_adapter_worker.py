@@ -144,3 +144,33 @@ def test_checkpoints_load_into_a_model_of_the_same_lora_and_nothing_else(tmp_pat
     assert again.adapters["x"].step == 2
     np.testing.assert_allclose(train(again, ["x"], steps=1, together=False, data_of={"x": "b"})["x"],
                                train(shared, ["b"], steps=1, together=False)["b"], atol=0)
+
+
+def test_workers_started_by_ray_as_the_server_starts_them_compute_on_every_core(ray_session):
+    """Ray starts an actor that reserves no CPU with OMP_NUM_THREADS=1; the Tinker workers and
+    the job runner raise torch's threads to the node's cores (the server's actors reserve none)."""
+    import ray
+
+    from opentinker.engine.cpu_threads import node_cores
+    from opentinker.engine.tinker.sampler_worker import TinkerSampler
+    from opentinker.server.runner import JobRunner
+
+    if node_cores() < 2:
+        pytest.skip("one core: nothing to raise")
+
+    def threads(actor) -> int:
+        return ray.get(actor.__ray_call__.remote(lambda _self: torch.get_num_threads()))
+
+    @ray.remote(num_cpus=0)
+    def bare() -> int:
+        return torch.get_num_threads()
+
+    assert ray.get(bare.remote()) == 1  # what the workers below would get on their own
+    workers = [ray.remote(AdapterWorker).options(num_cpus=0).remote(None, device="cpu"),
+               ray.remote(TinkerSampler).options(num_cpus=0).remote(None, device="cpu"),
+               ray.remote(JobRunner).options(num_cpus=0).remote("job", {"config": {}}, "/tmp/unused-job-dir")]
+    try:
+        assert [threads(worker) for worker in workers] == [node_cores()] * len(workers)
+    finally:
+        for worker in workers:
+            ray.kill(worker)

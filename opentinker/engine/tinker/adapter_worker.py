@@ -43,6 +43,7 @@ from opentinker.engine.backend.local import STATE_FILE
 from opentinker.engine.backend.lora import ADAPTER, LoraSettings
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
 from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
@@ -108,6 +109,7 @@ class AdapterWorker:
 
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident must be >= 1 or None, got {max_resident}")
+        use_node_cores()
         path = resolve_model_path(model_path)
         self.device = pick_device(device)
         self.vocab_size, self.context = datum_limits(path, trust_remote_code)

@@ -18,6 +18,7 @@ import torch
 
 from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.backend.lora import LoraSettings
+from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
 
@@ -66,6 +67,7 @@ class TinkerModelWorker:
     def __init__(self, spec: ModelSpec):
         from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
 
+        use_node_cores()
         torch.manual_seed(spec.seed)
         self.spec = spec
         path = resolve_model_path(spec.model_path)

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.rollout.base import SamplingParams
 from opentinker.engine.tinker import default_max_tokens
-from opentinker.engine.tinker.row_adapters import LoadedAdapter, RowAdapters, is_adapter_folder
 from opentinker.engine.tinker.model_worker import SAMPLER_WEIGHTS_FILE
+from opentinker.engine.tinker.row_adapters import LoadedAdapter, RowAdapters, is_adapter_folder
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
 
 BASE = ""  # the snapshot key of the base model's own weights
@@ -41,6 +42,7 @@ class TinkerSampler:
         from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
         from opentinker.engine.serving import context_length
 
+        use_node_cores()
         model_path = resolve_model_path(model_path)  # None: the embedded tiny model
         self.engine = TransformersRolloutEngine.from_pretrained(
             model_path, device=pick_device(device), trust_remote_code=trust_remote_code, seed=seed)
