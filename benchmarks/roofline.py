@@ -1,6 +1,6 @@
 """Each phase of a GRPO step against this machine's own limits: a roofline per phase.
 
-    python benchmarks/roofline.py [--steps 5] [--tokens 64] [--no-tinker] [--eager-decode]
+    python benchmarks/roofline.py [--steps 5] [--tokens 64] [--no-tinker | --only-tinker] [--eager-decode]
 
 1. This machine's peaks, with the torch threads the trainer uses: an fp32 matmul of 2048^3
    (the compute peak), the same at the model's own shapes (a decode step's 64 rows, an update's
@@ -147,13 +147,11 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
 
     fb_call = [ForwardBackwardCall("m", data, "cross_entropy")]
     optim_op = [("optim_step", "m", (adam,))]
-    local_s = {name: timed(fn, repeats) for name, fn in (
-        ("step", local(fb_call, optim_op)), ("forward_backward", local(fb_call, [])), ("optim_step", local([], optim_op)))}
-
     server = BenchServer(Path(__file__).resolve().parents[1]).start()
     try:
         key = server.new_key("roofline")
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
+        rest = tinker.RestClient(base_url=server.url, api_key="tml-" + key)
         training = service.create_lora_training_client(base_model="opentinker-tiny-arith", rank=32).result()
         datums = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
                               loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
@@ -165,32 +163,42 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
             forward_backward.result()
             step.result()
 
-        remote_s = {name: timed(fn, repeats) for name, fn in (
-            ("step", remote_step), ("forward_backward", lambda: training.forward_backward(datums, "cross_entropy").result()),
-            ("optim_step", lambda: training.optim_step(params).result()),
-            ("round trip", lambda: service.get_server_capabilities()))}
+        # Each pair runs in turns (in-process, then remote) so that both see the same machine load.
+        pairs = {"step": (local(fb_call, optim_op), remote_step),
+                 "forward_backward": (local(fb_call, []), lambda: training.forward_backward(datums, "cross_entropy").result()),
+                 "optim_step": (local(fb_call, optim_op), lambda: training.optim_step(params).result())}
+        seconds = {name: interleaved(*pair, repeats) for name, pair in pairs.items()}
+        round_trip = timed(lambda: rest.get_server_capabilities().result(), repeats)
         service.close("success").result()
     finally:
         server.stop()
+    # In-process optim_step: the cycle's second part (a cycle with no gradients skips the update).
+    seconds["optim_step"] = (seconds["optim_step"][0] - seconds["forward_backward"][0], seconds["optim_step"][1])
     print(f"\nTinker LoRA step ({rows} rows x {tokens} tokens, rank 32), median of {repeats} after a warm-up, ms:")
     print(f"  {'':18} {'in-process':>10} {'server+SDK':>10} {'extra':>7}")
     for name in ("forward_backward", "optim_step", "step"):
-        print(f"  {name:18} {local_s[name] * 1e3:10.1f} {remote_s[name] * 1e3:10.1f} "
-              f"{(remote_s[name] - local_s[name]) * 1e3:+7.1f}")
-    print(f"  {'round trip':18} {'':10} {remote_s['round trip'] * 1e3:10.1f}  (get_server_capabilities: one HTTP "
-          "request, the floor of each call)")
-    print(f"  service overhead: x{remote_s['step'] / local_s['step']:.2f} (a call is an HTTP submit, a Ray call to "
-          "the worker and a long-polled retrieve_future)")
+        here, there = seconds[name]
+        print(f"  {name:18} {here * 1e3:10.1f} {there * 1e3:10.1f} {(there - here) * 1e3:+7.1f}")
+    print(f"  {'HTTP round trip':18} {'':10} {round_trip * 1e3:10.1f}  (get_server_capabilities: the floor of a call)")
+    here, there = seconds["step"]
+    print(f"  service overhead: x{there / here:.2f} (each call: an HTTP submit, a Ray call to the worker, a "
+          "long-polled retrieve_future; a model's next call is sent once its previous one is done)")
 
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
-    seconds = []
+    return interleaved(fn, fn, repeats)[0]
+
+
+def interleaved(first, second, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and of ``second()``, called in turns, after a warm-up of each."""
+    seconds: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats + 1):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
+        for fn, out in zip((first, second), seconds):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(seconds[0][1:]), statistics.median(seconds[1][1:])
 
 
 def main() -> None:
@@ -202,8 +210,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per response (forced)")
     parser.add_argument("--no-tinker", action="store_true", help="skip the Tinker service-overhead part")
+    parser.add_argument("--only-tinker", action="store_true", help="only the Tinker service-overhead part")
     parser.add_argument("--eager-decode", action="store_true", help="rollout.compile_decode=false")
     args = parser.parse_args()
+    if args.only_tinker:
+        tinker_overhead()
+        return
     torch.manual_seed(0)
     shape = Shape(AutoConfig.from_pretrained(str(ensure_tiny_model())))
     threads = torch.get_num_threads()
