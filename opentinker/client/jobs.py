@@ -7,6 +7,7 @@ import gzip
 import os
 import re
 import stat
+import sys
 import tarfile
 import tempfile
 import threading
@@ -472,6 +473,10 @@ class _ProgressBar:
             if self.postfix:
                 self.bar.set_postfix(self.postfix, refresh=False)
             self._advance(data.get("step"))
+        elif event.type == "log" and isinstance(data.get("message"), str):  # loading, warnings, resumes
+            level = data.get("level")
+            self.bar.write(f"[{self.label}] {level + ': ' if isinstance(level, str) else ''}{data['message']}",
+                           file=sys.stderr)
         elif event.type == "status":
             status = data.get("status")
             label = self.label if status in (None, JobStatus.RUNNING.value) else f"{self.label} [{status}]"

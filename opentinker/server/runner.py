@@ -99,19 +99,23 @@ class JobRunner:
             yield from stream_completions(trainer.rollout, trainer.tokenizer, ServeRequest.from_dict(request))
 
     # -- the job -------------------------------------------------------------------
+    def _served_name(self) -> str:
+        """The served name, never the path: where a model lives is the operator's business."""
+        return self.policy.served_model(flatten(self.spec.config).get("actor_rollout_ref.model.path")).name
+
     def run(self) -> dict[str, Any]:
         """Train to the end (or until cancelled); never raises, returns the outcome."""
         trainer = None
         try:
+            # Loading can take minutes (the embedded tiny model is built on a machine's first run).
+            self._emit("log", {"message": f"loading model {self._served_name()}"})
             trainer = self._build_trainer()
             self._trainer = trainer
             # A step waiting out an env outage says so as it waits, and stops for a cancel.
             trainer.on_warning = lambda message: self._emit("log", {"level": "warning", "message": message})
             trainer.check_cancelled = self._raise_if_cancelled
             total = trainer.cfg.trainer.total_training_steps
-            # The served name, never the path: where a model lives is the operator's business.
-            name = self.policy.served_model(flatten(self.spec.config).get("actor_rollout_ref.model.path")).name
-            self._emit("log", {"message": f"model {name} loaded; training {total} steps"})
+            self._emit("log", {"message": f"model {self._served_name()} loaded; training {total} steps"})
             with self._between_steps:
                 initial = trainer.initial_validation()
             if initial:

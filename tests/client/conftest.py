@@ -140,6 +140,8 @@ async def _run_job(state: ProtocolState, job: SimJob) -> None:
         return
     state.set_status(job, JobStatus.RUNNING)
     total = job.info.total_steps
+    state.emit(job, "log", {"message": "loading model sim"})  # as the server's runner does
+    state.emit(job, "log", {"message": f"model sim loaded; training {total} steps"})
     for step in range(1, total + 1):
         if job.info.mode == "client":
             while not job.queue and not job.info.status.finished:

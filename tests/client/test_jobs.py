@@ -91,6 +91,8 @@ def test_wait_shows_progress_with_reward_and_kl(client, proto, capsys):
     err = capsys.readouterr().err
     assert "4/4" in err
     assert "reward=1" in err and "kl=0.004" in err
+    # The job's log lines show above the bar: what it is doing before its first step.
+    assert "[bar] loading model sim" in err and "[bar] model sim loaded; training 4 steps" in err
 
 
 def test_wait_raises_the_servers_error_when_the_job_fails(client, proto):

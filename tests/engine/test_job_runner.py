@@ -24,7 +24,9 @@ def test_server_mode_runs_to_the_end_with_events_and_checkpoints(tiny_model_dir,
     events = runner.drain_events()
     assert outcome == {"status": "completed", "error": None, "step": 2}
     kinds = [e["type"] for e in events]
-    assert kinds == ["log", "metrics", "progress", "checkpoint", "metrics", "progress", "checkpoint"]
+    assert kinds == ["log", "log", "metrics", "progress", "checkpoint", "metrics", "progress", "checkpoint"]
+    assert [e["data"]["message"] for e in events[:2]] == ["loading model opentinker-tiny-arith",
+                                                          "model opentinker-tiny-arith loaded; training 2 steps"]
     checkpoints = [e["data"] for e in events if e["type"] == "checkpoint"]
     assert [c["name"] for c in checkpoints] == ["global_step_1", "global_step_2"]
     assert (Path(checkpoints[-1]["path"]) / "config.json").exists()
@@ -61,7 +63,8 @@ def test_a_failing_job_reports_why_with_an_error_id(tmp_path):
     runner = JobRunner("job", {"mode": "server", "config": {"actor_rollout_ref.model.path": "broken"}},
                        str(tmp_path), policy)
     outcome = runner.run()
-    (event,) = runner.drain_events()
+    loading, event = runner.drain_events()
+    assert loading["data"]["message"] == "loading model broken"  # the served name, not the folder
     error_id = event["data"]["error_id"]
     assert outcome["status"] == "failed" and "does not exist" in outcome["error"]
     assert outcome["error"].endswith(f"(error id {error_id})")
