@@ -4,8 +4,8 @@ The model code is transformers' own (no second copy to keep true); what changes 
 reaches the KV cache. The eager step hands the model a ``DynamicCache`` whose layers keep their
 length in Python ints, which a compiled graph would bake in (a recompile per token). Here the
 compiled function gets the in-place cache's preallocated buffers and writes each layer's new
-key and value at the column given by the attention mask's width, a dynamic dimension: one graph
-serves every width and batch size, so a process compiles once: ~20-25 s on 2 CPU cores, and
+key and value at the column given by the attention mask's width; widths and batch sizes are
+marked dynamic, so one graph serves them all and a process compiles once: ~20-25 s on 2 CPU cores, and
 about as long again in a new process (inductor caches its kernels on disk, but dynamo traces
 transformers' model code anew). The cache's lengths move on after the call, outside the graph.
 No CUDA graphs (``mode="reduce-overhead"``): they replay fixed shapes, and these change every
@@ -88,7 +88,7 @@ class CompiledDecode:
                              f"({sorted(set(model.config.layer_types))}); use the eager decode")
         model.set_attn_implementation(DECODE_ATTENTION)
         self.model = model
-        self._step = torch.compile(_step, dynamic=True)
+        self._step = torch.compile(_step, dynamic=None)
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
         layers = cache.layers
@@ -106,12 +106,15 @@ class CompiledDecode:
         additive = (1 - mask[:, None, None, :width].to(layers[0].dtype)) * blocked
         keys, values = [layer._keys for layer in layers], [layer._values for layer in layers]
         # Rows and columns vary from step to step: say so up front, or the first graph is built
-        # for the first shapes only and a second compile follows.
+        # for the first shapes only and a second compile follows. Every other size (heads,
+        # hidden, vocabulary) stays fixed in the graph: faster kernels than dynamic=True's.
         for buffer in (*keys, *values):
             torch._dynamo.maybe_mark_dynamic(buffer, 0)
             torch._dynamo.maybe_mark_dynamic(buffer, 2)
         for dim in (0, 3):
             torch._dynamo.maybe_mark_dynamic(additive, dim)
+        torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(position, 0)
         logits = self._step(self.model, input_ids, position, additive, keys, values)
         for layer in layers:
             layer.length = width
