@@ -187,7 +187,12 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
-    return interleaved(fn, fn, repeats)[0]
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
 
 
 def interleaved(first, second, repeats: int) -> tuple[float, float]:

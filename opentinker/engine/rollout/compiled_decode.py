@@ -5,9 +5,9 @@ reaches the KV cache. The eager step hands the model a ``DynamicCache`` whose la
 length in Python ints, which a compiled graph would bake in (a recompile per token). Here the
 compiled function gets the in-place cache's preallocated buffers and writes each layer's new
 key and value at the column given by the attention mask's width; widths and batch sizes are
-marked dynamic, so one graph serves them all and a process compiles once: ~20-25 s on 2 CPU cores, and
-about as long again in a new process (inductor caches its kernels on disk, but dynamo traces
-transformers' model code anew). The cache's lengths move on after the call, outside the graph.
+marked dynamic, so one graph serves them all and a process compiles once: 20-34 s on 2 CPU
+cores with a cold cache, 8-22 s in a later process (inductor caches its kernels on disk, but
+dynamo traces transformers' model code anew). The cache's lengths move on after the call, outside the graph.
 No CUDA graphs (``mode="reduce-overhead"``): they replay fixed shapes, and these change every
 step; on a GPU this step is measured by ``make gpu-check``.
 
@@ -74,7 +74,9 @@ def can_compile(model: Any) -> bool:
 
 
 class CompiledDecode:
-    """``decode(input_ids, mask, position, cache) -> logits``: one decode step of ``model``.
+    """``decode(input_ids, mask, position, cache) -> logits``: one decode step of ``model``, for
+    two rows or more (a graph would specialise a batch of one: a second compile for little gain,
+    so :class:`.decode_batch.DecodeBatch` runs such a step eagerly).
 
     ``mask`` is the batch's ``[rows, columns]`` 0/1 mask (at least ``cache length + 1`` columns),
     ``position`` each row's position id, ``cache`` an in-place cache (:mod:`.kv_cache`) whose
@@ -92,19 +94,15 @@ class CompiledDecode:
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
         layers = cache.layers
-        if len(input_ids) == 1:  # a graph would specialise a batch of one: a second compile for little gain
-            return self.model(input_ids=input_ids, attention_mask=mask[:, :layers[0].length + 1], position_ids=position,
-                              past_key_values=cache, use_cache=True).logits[:, -1, :]
         if not all(isinstance(layer, InPlaceLayer) and layer.is_initialized for layer in layers):
             raise TypeError("CompiledDecode needs a prefilled in-place cache (kv_cache.in_place_cache)")
         width = layers[0].length + 1
         for layer in layers:
-            if width > layer._keys.shape[-2]:
-                layer._grow(2 * layer._keys.shape[-2])
+            layer.reserve(width)
         # Additive mask (0 = attend): the form matmul attention adds to its scores.
         blocked = torch.finfo(layers[0].dtype).min
         additive = (1 - mask[:, None, None, :width].to(layers[0].dtype)) * blocked
-        keys, values = [layer._keys for layer in layers], [layer._values for layer in layers]
+        keys, values = [layer.buffers[0] for layer in layers], [layer.buffers[1] for layer in layers]
         # Rows and columns vary from step to step: say so up front, or the first graph is built
         # for the first shapes only and a second compile follows. Every other size (heads,
         # hidden, vocabulary) stays fixed in the graph: faster kernels than dynamic=True's.
@@ -117,6 +115,5 @@ class CompiledDecode:
         torch._dynamo.maybe_mark_dynamic(position, 0)
         logits = self._step(self.model, input_ids, position, additive, keys, values)
         for layer in layers:
-            layer.length = width
-            layer._refresh_views()
+            layer.advance_to(width)
         return logits

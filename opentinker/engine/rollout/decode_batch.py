@@ -33,7 +33,8 @@ ForwardCallback = Callable[[list[Hashable]], None]
 
 class DecodeBatch:
     """See the module docstring. Build one with :meth:`prefill`; ``engine`` supplies the model,
-    the end-of-sequence and pad ids, the tokenizer (for stop strings) and the shared generator."""
+    the end-of-sequence and pad ids, the tokenizer (for stop strings), the shared generator and
+    the compiled decode step (or None)."""
 
     def __init__(self, engine: Any, cache: Any, logits: torch.Tensor, mask: torch.Tensor, position: torch.Tensor,
                  settings: RowSettings, tokens: torch.Tensor, logprobs: torch.Tensor, generated: torch.Tensor,
@@ -139,8 +140,8 @@ class DecodeBatch:
         width = self.width
         if self.on_forward is not None:
             self.on_forward(list(self.tags))
-        compiled = getattr(self.engine, "compiled_decode", None)
-        if compiled is not None:
+        compiled = self.engine.compiled_decode
+        if compiled is not None and len(self) > 1:
             self.logits = compiled(chosen.unsqueeze(-1), self.mask, self.position.unsqueeze(-1), self.cache)
         else:
             self.logits = self.engine.model(

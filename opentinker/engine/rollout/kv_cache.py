@@ -42,13 +42,27 @@ class InPlaceLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        if end > self._keys.shape[-2]:
-            self._grow(max(end, 2 * self._keys.shape[-2]))
+        self.reserve(end)
         self._keys[:, :, self.length:end] = key_states
         self._values[:, :, self.length:end] = value_states
-        self.length = end
-        self._refresh_views()
+        self.advance_to(end)
         return self.keys, self.values
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``[batch, heads, capacity, head_dim]`` key and value buffers."""
+        return self._keys, self._values
+
+    def reserve(self, length: int) -> None:
+        """Buffers for at least ``length`` columns (re-allocated, at least doubled, when short)."""
+        if length > self._keys.shape[-2]:
+            self._grow(max(length, 2 * self._keys.shape[-2]))
+
+    def advance_to(self, length: int) -> None:
+        """The first ``length`` columns hold keys and values (written by :meth:`update` or
+        straight into :attr:`buffers`, as the compiled decode step does)."""
+        self.length = length
+        self._refresh_views()
 
     def _grow(self, capacity: int) -> None:
         for name in ("_keys", "_values"):
