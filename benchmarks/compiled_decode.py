@@ -4,7 +4,7 @@
 
 Two engines on the same weights, one with ``compile_decode=True`` (see
 ``opentinker/engine/rollout/compiled_decode.py``). Prints what the first compiled call costs
-(the compile; inductor's on-disk cache makes a second process's much cheaper), whether greedy
+(the compile: about as long in every new process, the on-disk cache warm or not), whether greedy
 decoding gives the same tokens, the largest gap between the two engines' logprobs of those
 tokens, and each engine's tokens/s (median of ``--rounds`` rounds, the two engines taking turns
 so that both see the same machine load), sampled at temperature 1 with exactly ``--tokens``
