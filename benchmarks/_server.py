@@ -4,6 +4,7 @@ another commit's worktree)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -11,7 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def env(code: Path) -> dict[str, str]:
@@ -65,3 +69,17 @@ class BenchServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """Another commit of this repository in a temporary git worktree (to run side by side)."""
+    folder = Path(tempfile.mkdtemp(prefix="opentinker-rev-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder / "tree"), rev], check=True,
+                   capture_output=True)
+    try:
+        yield folder / "tree"
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(folder / "tree")],
+                       capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)

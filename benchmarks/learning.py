@@ -27,10 +27,12 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _server import checkout  # noqa: E402
+
 SETTINGS = ["actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.use_kl_loss=true",
             "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.progress_bar=false",
             "trainer.device=cpu"]
@@ -139,14 +141,8 @@ def main() -> None:
           flush=True)
     columns = {} if args.no_head else {f"HEAD {head}": grid(ROOT, args, "HEAD")}
     if args.compare_with:
-        with tempfile.TemporaryDirectory() as folder:
-            worktree = Path(folder) / "older"
-            subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.compare_with], cwd=ROOT,
-                           check=True, capture_output=True)
-            try:
-                columns[args.compare_with] = grid(worktree, args, args.compare_with)
-            finally:
-                subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
+        with checkout(args.compare_with) as worktree:
+            columns[args.compare_with] = grid(worktree, args, args.compare_with)
     for (env, estimator) in next(iter(columns.values())):
         print(f"{env} / {estimator}")
         for label, results in columns.items():

@@ -29,19 +29,19 @@ machine is shared.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import BenchServer, env  # noqa: E402
+from _server import BenchServer, checkout, env  # noqa: E402
 
 TINY = "opentinker-tiny-arith"
 BEFORE_MULTI_TENANT = "13349a7"  # the last commit where every Tinker model had a worker of its own
@@ -243,22 +243,16 @@ def main() -> int:
     if args.fsdp_ranks:
         sides.append((f"this tree (shared base on {args.fsdp_ranks} FSDP ranks)", ROOT,
                       ("--tinker-strategy", "fsdp", "--tinker-ranks", str(args.fsdp_ranks))))
-    worktree = None
-    if args.compare_with != "none":
-        worktree = Path(tempfile.mkdtemp(prefix="opentinker-before-"))
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.compare_with],
-                       check=True, capture_output=True)
-        sides.append((f"{args.compare_with} (one worker per model)", worktree, ()))
-    results: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
-    try:
+    results: dict[str, list[dict]] = {}
+    with contextlib.ExitStack() as stack:
+        if args.compare_with != "none":
+            sides.append((f"{args.compare_with} (one worker per model)", stack.enter_context(checkout(args.compare_with)),
+                          ()))
+        results = {label: [] for label, _, _ in sides}
         for k in ks:  # the two sides alternate, K by K, so both see the same machine
             for label, code, flags in sides:
                 print(f"[multi_tenant] K={k}: {label}", flush=True)
                 results[label].append(run_k(code, k, args.rank, args.seconds, flags))
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)],
-                           capture_output=True)
     for label, rows in results.items():
         show(label, rows)
     for label, _, _ in sides[1:]:

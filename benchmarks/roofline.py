@@ -1,6 +1,7 @@
 """Each phase of a GRPO step against this machine's own limits: a roofline per phase.
 
     python benchmarks/roofline.py [--steps 5] [--tokens 64] [--no-tinker | --only-tinker] [--eager-decode]
+                                  [--compare-with REV]
 
 1. This machine's peaks, with the torch threads the trainer uses: an fp32 matmul of 2048^3
    (the compute peak), the same at the model's own shapes (a decode step's 64 rows, an update's
@@ -22,12 +23,14 @@ With the Tinker path (default; ``--no-tinker`` skips it): one LoRA ``forward_bac
 ``optim_step`` of 8 rows x 64 tokens through a real server and the real ``tinker`` SDK, against
 the same calls on the same worker class in this process: the service's overhead as a ratio,
 and per call (forward_backward alone, optim_step alone, and a bare HTTP round trip) where the
-extra milliseconds go.
+extra milliseconds go. ``--compare-with REV`` adds REV's server (a temporary git worktree) to the
+turns: the same step through both servers, this tree's and REV's, as a ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -125,10 +128,11 @@ def timed_run(steps: int, tokens: int, compile_decode: bool) -> list[dict]:
         trainer.close()
 
 
-def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
-    """A LoRA training step through the server and the SDK vs the same worker in this process."""
+def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10, compare_with: str | None = None) -> None:
+    """A LoRA training step through the server and the SDK vs the same worker in this process
+    (and, with ``compare_with``, vs the server of that revision)."""
     import tinker
-    from _server import BenchServer
+    from _server import ROOT, BenchServer, checkout
     from tinker import types
 
     from opentinker.engine.backend.lora import LoraSettings
@@ -147,17 +151,18 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
 
     fb_call = [ForwardBackwardCall("m", data, "cross_entropy")]
     optim_op = [("optim_step", "m", (adam,))]
-    server = BenchServer(Path(__file__).resolve().parents[1]).start()
-    try:
+    datums = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
+                          loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
+    params = types.AdamParams(learning_rate=1e-4)
+    with contextlib.ExitStack() as stack:
+        server = BenchServer(ROOT).start()
+        stack.callback(server.stop)
         key = server.new_key("roofline")
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
         rest = tinker.RestClient(base_url=server.url, api_key="tml-" + key)
         training = service.create_lora_training_client(base_model="opentinker-tiny-arith", rank=32).result()
-        datums = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
-                              loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
-        params = types.AdamParams(learning_rate=1e-4)
 
-        def remote_step():
+        def remote_step(training=training):
             forward_backward = training.forward_backward(datums, "cross_entropy")  # both sent before waiting
             step = training.optim_step(params)
             forward_backward.result()
@@ -167,11 +172,15 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
         pairs = {"step": (local(fb_call, optim_op), remote_step),
                  "forward_backward": (local(fb_call, []), lambda: training.forward_backward(datums, "cross_entropy").result()),
                  "optim_step": (local(fb_call, optim_op), lambda: training.optim_step(params).result())}
+        if compare_with:
+            other = BenchServer(stack.enter_context(checkout(compare_with))).start()
+            stack.callback(other.stop)
+            other_client = tinker.ServiceClient(base_url=other.url, api_key="tml-" + other.new_key("roofline"))
+            other_training = other_client.create_lora_training_client(base_model="opentinker-tiny-arith",
+                                                                      rank=32).result()
+            pairs[f"step on {compare_with}"] = (lambda: remote_step(other_training), remote_step)
         seconds = {name: interleaved(*pair, repeats) for name, pair in pairs.items()}
         round_trip = timed(lambda: rest.get_server_capabilities().result(), repeats)
-        service.close("success").result()
-    finally:
-        server.stop()
     # In-process optim_step: the cycle's second part (a cycle with no gradients skips the update).
     seconds["optim_step"] = (seconds["optim_step"][0] - seconds["forward_backward"][0], seconds["optim_step"][1])
     print(f"\nTinker LoRA step ({rows} rows x {tokens} tokens, rank 32), median of {repeats} after a warm-up, ms:")
@@ -182,7 +191,11 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10) -> None:
     print(f"  {'HTTP round trip':18} {'':10} {round_trip * 1e3:10.1f}  (get_server_capabilities: the floor of a call)")
     here, there = seconds["step"]
     print(f"  service overhead: x{there / here:.2f} (each call: an HTTP submit, a Ray call to the worker, a "
-          "long-polled retrieve_future; a model's next call is sent once its previous one is done)")
+          "long-polled retrieve_future; a model's next call is queued at the worker while its previous one runs)")
+    if compare_with:
+        theirs, ours = seconds[f"step on {compare_with}"]
+        print(f"  the same step through {compare_with}'s server: {theirs * 1e3:.1f} ms, this tree's {ours * 1e3:.1f} ms "
+              f"(x{ours / theirs:.3f}, {(ours - theirs) * 1e3:+.1f} ms)")
 
 
 def timed(fn, repeats: int) -> float:
@@ -217,9 +230,11 @@ def main() -> None:
     parser.add_argument("--no-tinker", action="store_true", help="skip the Tinker service-overhead part")
     parser.add_argument("--only-tinker", action="store_true", help="only the Tinker service-overhead part")
     parser.add_argument("--eager-decode", action="store_true", help="rollout.compile_decode=false")
+    parser.add_argument("--compare-with", metavar="REV", help="also time the Tinker step through REV's server")
+    parser.add_argument("--repeats", type=int, default=10, help="Tinker calls timed per kind (the median is shown)")
     args = parser.parse_args()
     if args.only_tinker:
-        tinker_overhead()
+        tinker_overhead(repeats=args.repeats, compare_with=args.compare_with)
         return
     torch.manual_seed(0)
     shape = Shape(AutoConfig.from_pretrained(str(ensure_tiny_model())))
@@ -255,7 +270,7 @@ def main() -> None:
     print(f"\nwhole step: {total_compute / seconds['step']:.0%} of its compute bound "
           f"({seconds['step']:.3f} s for {total_compute:.3f} s of arithmetic at the 2048^3 matmul rate)")
     if not args.no_tinker:
-        tinker_overhead()
+        tinker_overhead(repeats=args.repeats, compare_with=args.compare_with)
 
 
 if __name__ == "__main__":

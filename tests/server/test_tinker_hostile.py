@@ -180,6 +180,36 @@ def test_sparse_and_oversized_tensors_are_refused_before_anything_is_allocated(s
     assert server.app.state.tinker.host.slot(tiny_lora).pending == 0
 
 
+def test_zstd_bodies_small_and_large_are_read_and_a_zstd_bomb_is_refused_at_the_limit(server, keys, tiny_lora):
+    import zstandard
+
+    compress = zstandard.ZstdCompressor().compress
+    zstd = {**PROTO, "Content-Encoding": "zstd"}
+    limit = server.app.state.settings.max_body_bytes
+    with _raw(server.url, keys["alice"]) as raw:
+        seq = _next_seq(server, tiny_lora)
+        small = _fb_body(tiny_lora, seq)  # read on the event loop
+        large = pb.ForwardBackwardRequest.FromString(_fb_body(tiny_lora, seq + 1, tokens=1000))
+        large.data.extend([large.data[0]] * 3)  # 4 x 16 kB once decompressed: read off the loop
+        assert len(small) < 32 * 1024 < len(large.SerializeToString()) < limit
+        for body in (small, large.SerializeToString()):
+            sent = raw.post("/forward_backward", content=compress(body), headers=zstd)
+            assert sent.status_code == 200, sent.text
+            done = _result(raw, sent.json()["request_id"])
+            assert done.headers["content-type"] == "application/x-protobuf", done.text
+
+        compressor = zstandard.ZstdCompressor().compressobj()  # 8 x the limit of zeros, in a few kB
+        bomb_body = b"".join(compressor.compress(bytes(MiB)) for _ in range(8 * limit // MiB)) + compressor.flush()
+        with peak_rss_growth() as growth:
+            bomb = raw.post("/forward_backward", content=bomb_body, headers=zstd)
+        assert bomb.status_code == 413, bomb.text
+        assert bomb.json()["error"] == f"the decompressed body is over {limit} bytes"
+        assert growth[0] < limit + RSS_BOUND  # read up to the limit, not the 8 x limit it holds
+        garbled = raw.post("/forward_backward", content=b"not zstd at all", headers=zstd)
+        assert garbled.status_code == 400 and "the body is not valid zstd" in garbled.json()["error"], garbled.text
+    assert server.app.state.tinker.host.slot(tiny_lora).pending == 0
+
+
 # -- 2. datums past the context -----------------------------------------------------------------
 
 

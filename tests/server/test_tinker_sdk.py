@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import time
 
 import httpx
 import numpy as np
@@ -263,6 +264,44 @@ def test_requests_run_in_seq_id_order_and_a_resent_request_gets_its_first_future
         assert metrics["grad_norm:mean"] > 0  # the gradient was there: seq 1 ran first
 
 
+LONG = [1 + (7 * i) % 900 for i in range(257)]  # a datum of 256 tokens: 16 of them take the worker a while
+
+
+def test_a_models_next_request_reaches_the_worker_while_the_previous_one_runs(server, keys, session, monkeypatch):
+    from opentinker.server.tinker.host import SharedBase
+
+    tc = session().lora()
+    before = logprobs_of(tc, datum())
+    cycles_out = []  # at each cycle sent to the shared worker: how many were out already
+    send = SharedBase._send
+
+    def spy(self, requests):
+        cycles_out.append((len(self._cycles), [r.item[0] if not r.is_call else "forward_backward" for r in requests]))
+        return send(self, requests)
+
+    monkeypatch.setattr(SharedBase, "_send", spy)
+    forward_backward = tc.forward_backward([datum(LONG)] * 16, "cross_entropy")  # sent before waiting
+    step = tc.optim_step(adam())
+    forward_backward.result()
+    assert step.result().metrics["grad_norm:mean"] > 0  # it ran after the gradient was there
+    # The optim_step went out while the forward_backward still ran, and the worker kept the order.
+    assert cycles_out == [(0, ["forward_backward"]), (1, ["optim_step"])]
+    assert np.abs(logprobs_of(tc, datum()) - before).max() > 1e-4
+
+
+def test_unloading_a_model_fails_the_request_it_is_running(server, keys, session):
+    tc = session().lora()
+    slot = server.app.state.tinker.host.slot(tc.model_id)
+    with _raw(server, keys["alice"]) as raw:
+        sent = raw.post("/forward_backward", content=_proto_body(tc.model_id, 1, [datum(LONG)] * 16),
+                        headers=PROTO).json()
+        while not slot.handed_over:  # with the worker
+            time.sleep(0.001)
+        assert raw.post("/unload_model", json={"model_id": tc.model_id}).status_code == 200
+        failed = _result(raw, sent["request_id"]).json()
+    assert failed == {"error": "the model was unloaded", "category": "server"}
+
+
 def test_sampling_stops_seeds_and_prompt_logprobs(session):
     sampler = session().client.create_sampling_client(base_model=TINY).result()
     prompt = types.ModelInput.from_ints(TOKENS[:5])
@@ -373,9 +412,9 @@ def test_the_sdk_sends_forward_backward_bodies_zstd_compressed(session, monkeypa
     encodings = []
     decompress = routes._decompressed
 
-    def spy(request, body):
-        encodings.append(request.headers.get("content-encoding"))
-        return decompress(request, body)
+    def spy(encoding, body, limit):
+        encodings.append(encoding)
+        return decompress(encoding, body, limit)
 
     monkeypatch.setattr(routes, "_decompressed", spy)
     tc = session().lora()

@@ -14,6 +14,11 @@ split into chunks arrives concurrently, first chunk last. Each model therefore k
 requests by ``seq_id`` and runs the next one only when it is the next number, or when a gap
 has stayed unfilled for ``gap_s`` (a request refused at submit never arrives; one whose number
 is known is skipped at once). Results and failures go to the :class:`FutureTable`.
+
+A model's next request is handed to its worker as soon as the previous one is there (at most
+:data:`MAX_HANDED_OVER` at once), so the worker goes from an ``optim_step`` queued behind a
+``forward_backward`` straight on, without a round trip through the server between them.
+The worker runs what it is handed in the order it was handed over.
 """
 
 from __future__ import annotations
@@ -73,25 +78,32 @@ def _gpus() -> float:
 
 
 class OwnWorker:
-    """A model with a worker actor of its own (:class:`TinkerModelWorker`)."""
+    """A model with a worker actor of its own (:class:`TinkerModelWorker`). Each method hands
+    its call to the actor before its first wait (Ray runs one caller's calls to a
+    one-at-a-time actor in the order they were made); ``handed_over`` counts them."""
 
     def __init__(self, actor: Any):
         self.actor = actor
+        self.handed_over = 0
+
+    def _call(self, method: str, *args: Any) -> Awaitable[Any]:
+        self.handed_over += 1
+        return await_ref(getattr(self.actor, method).remote(*args))
 
     async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
-        return await await_ref(self.actor.forward_backward.remote(data, loss_fn, loss_config, forward_only))
+        return await self._call("forward_backward", data, loss_fn, loss_config, forward_only)
 
     async def optim_step(self, adam) -> dict[str, float]:
-        return await await_ref(self.actor.optim_step.remote(adam))
+        return await self._call("optim_step", adam)
 
     async def save_state(self, path: str) -> None:
-        await await_ref(self.actor.save_state.remote(path))
+        await self._call("save_state", path)
 
     async def load_state(self, path: str, with_optimizer: bool) -> None:
-        await await_ref(self.actor.load_state.remote(path, with_optimizer))
+        await self._call("load_state", path, with_optimizer)
 
     async def save_sampler_weights(self, path: str) -> int:
-        return await await_ref(self.actor.save_sampler_weights.remote(path))
+        return await self._call("save_sampler_weights", path)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -99,49 +111,76 @@ class OwnWorker:
 
 
 class SharedAdapter:
-    """A LoRA model living as an adapter in its base model's :class:`SharedBase`."""
+    """A LoRA model living as an adapter in its base model's :class:`SharedBase`. Each method
+    joins the base's queue before its first wait (the base keeps each model's requests in
+    that order); ``handed_over`` counts them."""
 
     def __init__(self, base: "SharedBase", model_id: str):
         self.base = base
         self.model_id = model_id
+        self.handed_over = 0
+
+    def _op(self, method: str, *args: Any) -> asyncio.Future:
+        self.handed_over += 1
+        return self.base.op(method, self.model_id, *args)
 
     async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
         from opentinker.engine.tinker.adapter_worker import ForwardBackwardCall
 
+        self.handed_over += 1
         return await self.base.forward_backward(
             ForwardBackwardCall(self.model_id, data, loss_fn, dict(loss_config), forward_only))
 
     async def optim_step(self, adam) -> dict[str, float]:
-        return await self.base.op("optim_step", self.model_id, adam)
+        return await self._op("optim_step", adam)
 
     async def save_state(self, path: str) -> None:
-        await self.base.op("save_state", self.model_id, path)
+        await self._op("save_state", path)
 
     async def load_state(self, path: str, with_optimizer: bool) -> None:
-        await self.base.op("load_state", self.model_id, path, with_optimizer)
+        await self._op("load_state", path, with_optimizer)
 
     async def save_sampler_weights(self, path: str) -> int:
-        return await self.base.op("save_sampler_weights", self.model_id, path)
+        return await self._op("save_sampler_weights", path)
 
     async def close(self) -> None:
         await self.base.remove(self.model_id)
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """A request for the shared worker: a forward/backward call or another operation."""
+
+    model_id: str
+    is_call: bool  # a ForwardBackwardCall (batched with the cycle's others), else (method, model_id, args)
+    item: Any
+    future: asyncio.Future
+
+
+@dataclass
+class _Cycle:
+    models: set[str]
+    futures: list[asyncio.Future]
+    task: asyncio.Task | None = None  # awaits the worker, then settles ``futures``
+
+
 class SharedBase:
     """One :class:`AdapterWorker` actor (a base model and its LoRA models) and the loop that
-    feeds it cycles: each cycle takes every request waiting, at most one per model (a model's
-    next request is only sent once its previous one is done), so every busy model is served
-    once per cycle, whoever else is busy; the cycle's forward/backward requests run as one
-    batched pass in the worker."""
+    feeds it cycles: each cycle takes every request waiting, at most one per model and each
+    model's in its order, so every busy model is served once per cycle, whoever else is busy;
+    the cycle's forward/backward requests run as one batched pass in the worker.
+
+    A cycle is sent when the worker is idle, or, while one runs, as soon as a request of a
+    model in it is waiting (that one cannot join the running cycle anyway): Ray queues it at
+    the worker, which then goes straight on. At most two cycles are out at once."""
 
     def __init__(self, key: tuple[str | None, bool], memory_bytes: int = 0):
         self.key = key
         self.memory_bytes = memory_bytes  # the base's admission estimate, held while it lives
         self.actor: Any = None
         self.models: set[str] = set()
-        self._calls: list[tuple[Any, asyncio.Future]] = []
-        self._ops: list[tuple[tuple[str, str, tuple], asyncio.Future]] = []
-        self._in_flight: list[asyncio.Future] = []  # the cycle the worker is running
+        self._waiting: list[_Waiting] = []  # in arrival order
+        self._cycles: list[_Cycle] = []  # sent to the worker, not settled
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.started: asyncio.Future | None = None
@@ -164,11 +203,11 @@ class SharedBase:
         await await_ref(self.actor.ready.remote())
         self._loop_task = asyncio.create_task(self._serve())
 
-    async def forward_backward(self, call: Any) -> dict[str, Any]:
-        return await self._enqueue(self._calls, call)
+    def forward_backward(self, call: Any) -> asyncio.Future:
+        return self._enqueue(call.model_id, True, call)
 
-    async def op(self, method: str, model_id: str, *args: Any) -> Any:
-        return await self._enqueue(self._ops, (method, model_id, args))
+    def op(self, method: str, model_id: str, *args: Any) -> asyncio.Future:
+        return self._enqueue(model_id, False, (method, model_id, args))
 
     async def remove(self, model_id: str) -> None:
         self.models.discard(model_id)
@@ -177,46 +216,80 @@ class SharedBase:
         with contextlib.suppress(Exception):
             await self.op("remove_model", model_id)
 
-    def _enqueue(self, queue: list, item: Any) -> asyncio.Future:
+    def _enqueue(self, model_id: str, is_call: bool, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         if self.dead_error is not None:
             future.set_exception(self.dead_error)
-            return future
-        queue.append((item, future))
-        self._wake.set()
+        else:
+            self._waiting.append(_Waiting(model_id, is_call, item, future))
+            self._wake.set()
         return future
 
+    def _take_cycle(self) -> list[_Waiting]:
+        """The first waiting request of each model; the rest wait for a later cycle."""
+        taken, models = [], set()
+        for request in self._waiting:
+            if request.model_id not in models:
+                taken.append(request)
+                models.add(request.model_id)
+        self._waiting = [request for request in self._waiting if request not in taken]  # by identity
+        return taken
+
+    def _send(self, requests: list[_Waiting]) -> _Cycle:
+        calls = [r for r in requests if r.is_call]
+        ops = [r for r in requests if not r.is_call]
+        cycle = _Cycle({r.model_id for r in requests}, [r.future for r in calls + ops])  # the worker's answer order
+        ref = self.actor.cycle.remote([r.item for r in calls], [r.item for r in ops])
+        cycle.task = asyncio.create_task(self._settle(cycle, ref))
+        self._cycles.append(cycle)
+        return cycle
+
+    async def _settle(self, cycle: _Cycle, ref: Any) -> None:
+        try:
+            fb, done = await await_ref(ref)
+        except Exception as error:  # the worker died (or a Ray failure): every request of the cycle
+            if isinstance(error, RayActorError):  # its models are lost; a new LoRA model starts a new worker
+                self.dead_error = error
+            for future in cycle.futures:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        finally:
+            self._cycles.remove(cycle)
+            self._wake.set()
+        for future, outcome in zip(cycle.futures, list(fb) + list(done)):
+            if future.done():  # its model was unloaded meanwhile
+                continue
+            if "result" in outcome:
+                future.set_result(outcome["result"])
+            elif outcome["category"] == "user":
+                future.set_exception(UserError(outcome["error"]))
+            else:
+                future.set_exception(RuntimeError(outcome["error"]))
+
     async def _serve(self) -> None:
+        running: _Cycle | None = None
         while True:
-            await self._wake.wait()
             self._wake.clear()
-            while self._calls or self._ops:
-                calls, self._calls = self._calls, []
-                ops, self._ops = self._ops, []
-                waiting = self._in_flight = [future for _, future in calls + ops]
-                try:
-                    fb, done = await await_ref(self.actor.cycle.remote([c for c, _ in calls], [o for o, _ in ops]))
-                except Exception as error:  # the worker died (or a Ray failure): every request of the cycle
-                    if isinstance(error, RayActorError):  # its models are lost; a new LoRA model starts a new worker
-                        self.dead_error = error
-                    for future in waiting:
-                        if not future.done():
-                            future.set_exception(error)
-                    continue
-                for future, outcome in zip(waiting, list(fb) + list(done)):
-                    if future.done():  # its model was unloaded meanwhile
-                        continue
-                    if "result" in outcome:
-                        future.set_result(outcome["result"])
-                    elif outcome["category"] == "user":
-                        future.set_exception(UserError(outcome["error"]))
-                    else:
-                        future.set_exception(RuntimeError(outcome["error"]))
+            if running is not None and running.task.done():
+                running = None
+            if self.dead_error is not None:
+                for request in self._waiting:
+                    request.future.set_exception(self.dead_error)
+                self._waiting = []
+            elif self._waiting and (running is None or any(r.model_id in running.models for r in self._waiting)):
+                sent = self._send(self._take_cycle())
+                if running is not None:  # the next one is formed once the worker has started this one
+                    await running.task
+                running = sent
+                continue
+            await self._wake.wait()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        for future in self._in_flight + [future for _, future in self._calls + self._ops]:
+        waiting = [future for cycle in self._cycles for future in cycle.futures]
+        for future in waiting + [request.future for request in self._waiting]:
             if not future.done():
                 future.set_exception(RuntimeError("the base model's worker stopped"))
         if self.actor is not None:
@@ -237,6 +310,10 @@ class _Op:
 #: would wait for the model's whole life for the ones before it.
 SEQ_WINDOW = 1024
 
+#: A model's requests handed to its worker and not finished, at most: one running and the
+#: next one queued at the worker behind it.
+MAX_HANDED_OVER = 2
+
 
 class ModelSlot:
     """One model's actor and its queue of requests, taken in ``seq_id`` order."""
@@ -252,7 +329,7 @@ class ModelSlot:
         self._next_seq = 1
         self._skipped: set[int] = set()  # only numbers in [_next_seq, _next_seq + SEQ_WINDOW)
         self._changed = asyncio.Event()
-        self.running = False
+        self.handed_over: dict[str, asyncio.Task] = {}  # by request id: with the worker, not finished
         self.task: asyncio.Task | None = None
 
     @property
@@ -263,7 +340,7 @@ class ModelSlot:
     @property
     def pending(self) -> int:
         """Requests accepted and not finished: waiting in the queue, or running."""
-        return len(self._heap) + int(self.running)
+        return len(self._heap) + len(self.handed_over)
 
     def seq_problem(self, seq_id: int | None) -> str | None:
         """Why a new request with ``seq_id`` cannot be queued, or None."""
@@ -432,26 +509,34 @@ class TinkerHost:
         self.futures.resolve(request_id, answer)
         slot.ready.set_result(True)
         while True:
+            while len(slot.handed_over) >= MAX_HANDED_OVER:
+                await asyncio.wait(list(slot.handed_over.values()), return_when=asyncio.FIRST_COMPLETED)
             op = await slot.next_op(self.settings.gap_s)
-            slot.running = True
-            try:
-                payload, content_type = await op.run(slot.actor)
-            except UserError as error:
-                self.futures.fail(op.request_id, str(error), "user")
-                continue
-            except Exception as error:
-                message, category = failure(error)
-                self.futures.fail(op.request_id, message, category)
-                if isinstance(error, RayActorError):
-                    self.state.set_model_state(slot.model_id, "lost", message)
-                    self._fail_queue(slot, message)
-                    self._models.pop(slot.model_id, None)
-                    return
-                continue
-            finally:
-                slot.running = False
-            self.futures.resolve(op.request_id, payload, content_type)
-            self.state.touch_model(slot.model_id)
+            before = slot.actor.handed_over
+            running = slot.handed_over[op.request_id] = asyncio.create_task(self._run(slot, op))
+            await asyncio.sleep(0)  # the op's first step hands its call to the worker
+            if slot.actor.handed_over == before:  # it has not (yet): the next one must not overtake it
+                await asyncio.wait([running])
+
+    async def _run(self, slot: ModelSlot, op: _Op) -> None:
+        try:
+            payload, content_type = await op.run(slot.actor)
+        except UserError as error:
+            self.futures.fail(op.request_id, str(error), "user")
+            return
+        except Exception as error:
+            message, category = failure(error)
+            self.futures.fail(op.request_id, message, category)
+            if isinstance(error, RayActorError) and self._models.get(slot.model_id) is slot:
+                self.state.set_model_state(slot.model_id, "lost", message)
+                slot.task.cancel()  # nothing more is handed over; what was fails with the worker
+                self._fail_queue(slot, message)
+                self._models.pop(slot.model_id, None)
+            return
+        finally:
+            slot.handed_over.pop(op.request_id, None)
+        self.futures.resolve(op.request_id, payload, content_type)
+        self.state.touch_model(slot.model_id)
 
     def _fail_queue(self, slot: ModelSlot, message: str) -> None:
         for op in slot.drain():
@@ -484,6 +569,9 @@ class TinkerHost:
             slot.task.cancel()
             with contextlib.suppress(BaseException):
                 await slot.task
+        for request_id, running in list(slot.handed_over.items()):
+            running.cancel()
+            self.futures.fail(request_id, reason, "server")
         self._fail_queue(slot, reason)
         await self._close(slot)
         self.state.set_model_state(model_id, "unloaded", reason)
