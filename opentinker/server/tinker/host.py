@@ -147,7 +147,7 @@ class SharedAdapter:
         await self.base.remove(self.model_id)
 
 
-@dataclass(eq=False)
+@dataclass
 class _Waiting:
     """A request for the shared worker: a forward/backward call or another operation."""
 
@@ -227,12 +227,11 @@ class SharedBase:
 
     def _take_cycle(self) -> list[_Waiting]:
         """The first waiting request of each model; the rest wait for a later cycle."""
-        taken, models = [], set()
+        taken, later, models = [], [], set()
         for request in self._waiting:
-            if request.model_id not in models:
-                taken.append(request)
-                models.add(request.model_id)
-        self._waiting = [request for request in self._waiting if request not in taken]  # by identity
+            (later if request.model_id in models else taken).append(request)
+            models.add(request.model_id)
+        self._waiting = later
         return taken
 
     def _send(self, requests: list[_Waiting]) -> _Cycle:
@@ -275,7 +274,8 @@ class SharedBase:
                 running = None
             if self.dead_error is not None:
                 for request in self._waiting:
-                    request.future.set_exception(self.dead_error)
+                    if not request.future.done():  # else its model was unloaded meanwhile
+                        request.future.set_exception(self.dead_error)
                 self._waiting = []
             elif self._waiting and (running is None or any(r.model_id in running.models for r in self._waiting)):
                 sent = self._send(self._take_cycle())
