@@ -243,12 +243,11 @@ def main() -> int:
     if args.fsdp_ranks:
         sides.append((f"this tree (shared base on {args.fsdp_ranks} FSDP ranks)", ROOT,
                       ("--tinker-strategy", "fsdp", "--tinker-ranks", str(args.fsdp_ranks))))
-    results: dict[str, list[dict]] = {}
     with contextlib.ExitStack() as stack:
         if args.compare_with != "none":
             sides.append((f"{args.compare_with} (one worker per model)", stack.enter_context(checkout(args.compare_with)),
                           ()))
-        results = {label: [] for label, _, _ in sides}
+        results: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
         for k in ks:  # the two sides alternate, K by K, so both see the same machine
             for label, code, flags in sides:
                 print(f"[multi_tenant] K={k}: {label}", flush=True)

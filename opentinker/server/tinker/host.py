@@ -80,14 +80,14 @@ def _gpus() -> float:
 class OwnWorker:
     """A model with a worker actor of its own (:class:`TinkerModelWorker`). Each method hands
     its call to the actor before its first wait (Ray runs one caller's calls to a
-    one-at-a-time actor in the order they were made); ``handed_over`` counts them."""
+    one-at-a-time actor in the order they were made); ``calls_sent`` counts them."""
 
     def __init__(self, actor: Any):
         self.actor = actor
-        self.handed_over = 0
+        self.calls_sent = 0
 
     def _call(self, method: str, *args: Any) -> Awaitable[Any]:
-        self.handed_over += 1
+        self.calls_sent += 1
         return await_ref(getattr(self.actor, method).remote(*args))
 
     async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
@@ -113,21 +113,21 @@ class OwnWorker:
 class SharedAdapter:
     """A LoRA model living as an adapter in its base model's :class:`SharedBase`. Each method
     joins the base's queue before its first wait (the base keeps each model's requests in
-    that order); ``handed_over`` counts them."""
+    that order); ``calls_sent`` counts them."""
 
     def __init__(self, base: "SharedBase", model_id: str):
         self.base = base
         self.model_id = model_id
-        self.handed_over = 0
+        self.calls_sent = 0
 
     def _op(self, method: str, *args: Any) -> asyncio.Future:
-        self.handed_over += 1
+        self.calls_sent += 1
         return self.base.op(method, self.model_id, *args)
 
     async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
         from opentinker.engine.tinker.adapter_worker import ForwardBackwardCall
 
-        self.handed_over += 1
+        self.calls_sent += 1
         return await self.base.forward_backward(
             ForwardBackwardCall(self.model_id, data, loss_fn, dict(loss_config), forward_only))
 
@@ -512,10 +512,10 @@ class TinkerHost:
             while len(slot.handed_over) >= MAX_HANDED_OVER:
                 await asyncio.wait(list(slot.handed_over.values()), return_when=asyncio.FIRST_COMPLETED)
             op = await slot.next_op(self.settings.gap_s)
-            before = slot.actor.handed_over
+            before = slot.actor.calls_sent
             running = slot.handed_over[op.request_id] = asyncio.create_task(self._run(slot, op))
             await asyncio.sleep(0)  # the op's first step hands its call to the worker
-            if slot.actor.handed_over == before:  # it has not (yet): the next one must not overtake it
+            if slot.actor.calls_sent == before:  # it has not (yet): the next one must not overtake it
                 await asyncio.wait([running])
 
     async def _run(self, slot: ModelSlot, op: _Op) -> None:
