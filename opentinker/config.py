@@ -294,6 +294,11 @@ CHOICES: dict[str, list[str]] = {
 
 _INT31 = 2**31 - 1
 
+#: Boolean keys whose cost the client does not pay (compile_decode: a compile of 8-34 s of CPU
+#: in every rollout process). An operator turns one off with ``limits={key: 0}``
+#: (``opentinker-server serve --limit KEY=0``); a job that asks for it then gets a ConfigError.
+SWITCHES: tuple[str, ...] = ("actor_rollout_ref.rollout.compile_decode",)
+
 #: ``key: (low, high)``, both inclusive (None: no bound on that side). The upper bounds are
 #: sanity limits a server operator may change (``limits=`` of :func:`make_config`); keys in
 #: ``_ABOVE_LOW`` must be strictly greater than their low bound.
@@ -522,6 +527,11 @@ def _bound_text(low: float | None, high: float | None, above_low: bool) -> str:
 
 
 def _check_range(key: str, value: Any, limits: Mapping[str, float]) -> None:
+    if key in SWITCHES:
+        if value is True and limits.get(key, 1) < 1:
+            raise ConfigError(f"config key '{key}' is turned off on this server (a limit of this server); "
+                              "leave it out or set it to false")
+        return
     if key not in RANGES or value is None or isinstance(value, bool):
         return
     low, high = RANGES[key]
@@ -538,9 +548,12 @@ def check_limits(limits: Mapping[str, float]) -> dict[str, float]:
     """Operator limits as ``{key: upper bound}``; raises ConfigError for a key without a range."""
     checked = {}
     for key, high in limits.items():
-        if key not in RANGES:
+        if key in SWITCHES and float(high) not in (0.0, 1.0):
+            raise ConfigError(f"config key '{key}' is a switch: its limit is 0 (off) or 1 (allowed), got {high!r}")
+        if key not in RANGES and key not in SWITCHES:
             _check_key(key)
-            raise ConfigError(f"config key '{key}' has no numeric range to limit; limitable: {', '.join(RANGES)}")
+            raise ConfigError(f"config key '{key}' has no numeric range to limit; limitable: "
+                              f"{', '.join([*RANGES, *SWITCHES])}")
         checked[key] = float(high)
     return checked
 

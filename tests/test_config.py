@@ -1,6 +1,6 @@
 import pytest
 
-from opentinker.config import ConfigError, closest_key, make_config, parse_overrides, to_dotted
+from opentinker.config import ConfigError, check_limits, closest_key, make_config, parse_overrides, to_dotted
 
 
 def test_dotted_overrides_parse_types_like_verl():
@@ -166,3 +166,15 @@ def test_operator_limits_replace_upper_bounds():
     assert make_config(["actor_rollout_ref.rollout.n=4"], limits={"actor_rollout_ref.rollout.n": 4})
     with pytest.raises(ConfigError, match="<= 4 \\(a limit of this server\\), got 8"):
         make_config([], limits={"actor_rollout_ref.rollout.n": 4})
+
+
+def test_an_operator_turns_a_switch_off_with_a_limit_of_zero():
+    key = "actor_rollout_ref.rollout.compile_decode"
+    assert make_config([f"{key}=true"]).actor_rollout_ref.rollout.compile_decode is True
+    assert make_config([f"{key}=true"], limits=check_limits({key: 1})).actor_rollout_ref.rollout.compile_decode
+    off = check_limits({key: 0})
+    assert make_config([f"{key}=false"], limits=off).actor_rollout_ref.rollout.compile_decode is False
+    with pytest.raises(ConfigError, match=f"config key '{key}' is turned off on this server"):
+        make_config([f"{key}=true"], limits=off)
+    with pytest.raises(ConfigError, match="0 \\(off\\) or 1 \\(allowed\\), got 2"):
+        check_limits({key: 2})

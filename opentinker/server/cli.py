@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--allow-logger", action="append", default=[], metavar="NAME",
                           help="let jobs log to NAME (wandb: with this server's credentials) besides the console")
     operator.add_argument("--limit", action="append", default=[], metavar="KEY=MAX",
-                          help="upper bound of a numeric config key, e.g. trainer.total_training_steps=1000")
+                          help="upper bound of a numeric config key, e.g. trainer.total_training_steps=1000; "
+                          "KEY=0 turns off a switch jobs may not use (actor_rollout_ref.rollout.compile_decode)")
     quotas = serve.add_argument_group("quotas")
     quotas.add_argument("--max-running-jobs", type=int, default=2, help="jobs per user running at once")
     quotas.add_argument("--max-queued-jobs", type=int, default=8, help="jobs per user waiting for a slot")

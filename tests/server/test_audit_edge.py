@@ -257,17 +257,23 @@ def test_12_non_finite_numbers(alice, literal):
 
 
 def test_12_the_operator_sets_the_bounds(start_server, tmp_path, helpers):
-    live = start_server(tmp_path, config_limits={"trainer.total_training_steps": 10, "actor_rollout_ref.rollout.n": 4})
+    compile_decode = "actor_rollout_ref.rollout.compile_decode"
+    live = start_server(tmp_path, config_limits={"trainer.total_training_steps": 10, "actor_rollout_ref.rollout.n": 4,
+                                                 compile_decode: 0})
     key = helpers.make_user(tmp_path, "erin")
     with live.client(key) as client:
+        _refused(client.post("/v1/jobs", json={"config": {compile_decode: True, "actor_rollout_ref.rollout.n": 4}}),
+                 400, f"config key '{compile_decode}' is turned off on this server")
         _refused(client.post("/v1/jobs", json={"config": {"trainer.total_training_steps": 11,
                                                            "actor_rollout_ref.rollout.n": 4}}),
                  400, "must be >= 1 and <= 10 (a limit of this server)")
         _refused(client.post("/v1/jobs", json={"config": {"actor_rollout_ref.rollout.n": 8}}), 400, "<= 4")
         helpers.create_job(client, "quick", steps=10, config={"trainer.total_training_steps": 10,
-                                                                "actor_rollout_ref.rollout.n": 4})
+                                                                "actor_rollout_ref.rollout.n": 4, compile_decode: False})
     with pytest.raises(ValueError, match="no numeric range"):
         start_server(tmp_path / "other", config_limits={"trainer.experiment_name": 3})
+    with pytest.raises(ValueError, match="is a switch: its limit is 0 \\(off\\) or 1"):
+        start_server(tmp_path / "other", config_limits={compile_decode: 0.5})
 
 
 # 14 -----------------------------------------------------------------------------------
