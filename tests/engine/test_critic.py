@@ -1,7 +1,8 @@
 """PPO with a critic: GAE and the clipped value loss against an independent numpy computation
 (ragged and multi-turn masks); the value model's outputs are its head at each response
 token's position; the trainer trains a critic beside the actor, checkpoints it and resumes it;
-on 2 FSDP ranks the critic computes and learns what it does in one process."""
+on 2 FSDP ranks the critic computes and learns what it does in one process, and with the actor
+on 2 FSDP ranks a GAE run trains as it does in one process."""
 
 from __future__ import annotations
 
@@ -154,15 +155,12 @@ def test_ppo_with_gae_trains_a_critic_and_resumes_it(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("actor", ["local", "fsdp-2-ranks"])
-def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run, actor):
+def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run):
     """PPO with a critic on the same seeded 60-step run as GRPO's; the critic learns: its value
     loss falls and its explained variance (on each step's fresh samples, before its update)
-    climbs from below 0 to above it. With the actor on 2 FSDP ranks the critic stays local: the
-    run's own Ray has the machine's 2 CPUs, one per actor rank (the critic's would need 2 more)."""
-    fsdp = ["actor_rollout_ref.actor.strategy=fsdp", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
-            "critic.strategy=local"] if actor != "local" else []
-    history = heldout_run("algorithm.adv_estimator=gae", "critic.optim.lr=1e-4", *fsdp)
+    climbs from below 0 to above it. With the actor on FSDP ranks the run is the same (the test
+    after this one), so this one runs the actor in one process."""
+    history = heldout_run("algorithm.adv_estimator=gae", "critic.optim.lr=1e-4")
     trained = [m for m in history if "reward/mean" in m]
     assert [m["step"] for m in trained] == list(range(1, 61))
     assert all(m["actor/optimizer_steps"] == 1 and m["critic/optimizer_steps"] == 1 for m in trained)
@@ -176,6 +174,33 @@ def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run
     assert after >= 0.6 > before
     assert np.mean(ev[first]) < 0 < np.mean(ev[last])
     assert np.mean(vf_loss[last]) < np.mean(vf_loss[first])
+
+
+def test_ppo_with_gae_and_the_actor_on_two_fsdp_ranks_trains_as_in_one_process(ray_session, tiny_model_dir):
+    """Three GAE steps with the actor on 2 FSDP ranks (the critic local) give the metrics of the
+    same steps with the actor in one process: the same samples, losses, gradients and values."""
+    from opentinker.engine.trainer import RLTrainer
+
+    overrides = ["algorithm.adv_estimator=gae", *FAST, "trainer.test_freq=-1", "trainer.total_training_steps=3",
+                 "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-4", "trainer.seed=0"]
+    fsdp = ["actor_rollout_ref.actor.strategy=fsdp", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+            "critic.strategy=local"]
+    histories = []
+    for actor in ([], fsdp):
+        trainer = RLTrainer(make_config([*overrides, *actor]))
+        try:
+            histories.append(trainer.fit())
+        finally:
+            trainer.close()
+    local, sharded = histories
+    assert [m["step"] for m in sharded] == [m["step"] for m in local] == [1, 2, 3]
+    assert any(m["actor/grad_norm"] > 0 for m in local)
+    for a, b in zip(local, sharded):
+        keys = {key for key in a if not key.startswith(("timing_s/", "perf/"))}  # not wall-clock metrics
+        assert {"reward/mean", "actor/pg_loss", "critic/vf_loss", "critic/explained_variance"} <= keys
+        assert keys == {key for key in b if not key.startswith(("timing_s/", "perf/"))}
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], abs=1e-4, nan_ok=True), (a["step"], key)  # EV: nan on equal returns
 
 
 def test_a_critic_on_two_fsdp_ranks_computes_what_one_process_does(ray_session, tiny_model_dir, tiny_tokenizer):
