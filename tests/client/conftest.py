@@ -380,7 +380,9 @@ class ProtocolServer:
 
 class _ServerThread:
     def __init__(self, app: Any):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it
+        # every answer on a kept-alive connection waits ~40 ms (Nagle meets delayed ACK).
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
