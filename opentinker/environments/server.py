@@ -457,7 +457,8 @@ def create_env_app(
 # --------------------------------------------------------------------------- running it
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: a free port) for uvicorn's ``sockets=``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto
     # says TCP, and without it every response stalls ~40 ms (Nagle vs. delayed ACK).
@@ -479,7 +480,7 @@ def _bind_consecutive(host: str, port: int, count: int, attempts: int = 50) -> l
         socks: list[socket.socket] = []
         try:
             for offset in range(count):
-                socks.append(_bind(host, port + offset))
+                socks.append(bind_listening_socket(host, port + offset))
         except BaseException:
             for s in socks:
                 s.close()
@@ -487,12 +488,12 @@ def _bind_consecutive(host: str, port: int, count: int, attempts: int = 50) -> l
         return socks
     last_error: OSError | None = None
     for _ in range(attempts):
-        first = _bind(host, 0)
+        first = bind_listening_socket(host, 0)
         socks = [first]
         base = first.getsockname()[1]
         try:
             for offset in range(1, count):
-                socks.append(_bind(host, base + offset))
+                socks.append(bind_listening_socket(host, base + offset))
             return socks
         except OSError as exc:
             last_error = exc

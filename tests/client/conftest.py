@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentinker.client import OpenTinkerClient
 from opentinker.environments.gym_interaction import shard_urls
 from opentinker.environments.registry import default_registry
+from opentinker.environments.server import bind_listening_socket
 from opentinker.protocol import (
     CheckpointInfo,
     CheckpointList,
@@ -380,11 +381,7 @@ class ProtocolServer:
 
 class _ServerThread:
     def __init__(self, app: Any):
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it
-        # every answer on a kept-alive connection waits ~40 ms (Nagle meets delayed ACK).
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = bind_listening_socket("127.0.0.1", 0)  # with TCP_NODELAY: no ~40 ms Nagle stalls
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="critical", access_log=False, lifespan="off", loop="asyncio",
                                 timeout_graceful_shutdown=1)

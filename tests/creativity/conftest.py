@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import threading
 import time
 from collections import deque
@@ -25,6 +24,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
+
+from opentinker.environments.server import bind_listening_socket  # noqa: E402
 
 _PROBLEM = re.compile(r"<problem>\n(.*?)\n</problem>", re.DOTALL)
 _RESPONSE = re.compile(r'<response number="(\d+)">\n(.*?)\n</response>', re.DOTALL)
@@ -162,11 +163,7 @@ def _chat_server():
     async def chat_completions(request: Request):
         return await state.handle(request)
 
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it
-    # every answer on a kept-alive connection waits ~40 ms (Nagle meets delayed ACK).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_listening_socket("127.0.0.1", 0)  # with TCP_NODELAY: no ~40 ms Nagle stalls
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, loop="asyncio"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

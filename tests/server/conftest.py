@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ ray = pytest.importorskip("ray")
 
 import uvicorn  # noqa: E402
 
+from opentinker.environments.server import bind_listening_socket  # noqa: E402
 from opentinker.server import auth  # noqa: E402
 from opentinker.server.app import create_app  # noqa: E402
 from opentinker.server.settings import ServerSettings  # noqa: E402
@@ -142,11 +142,7 @@ class LiveServer:
     """``create_app`` served by uvicorn in a thread on a free 127.0.0.1 port."""
 
     def __init__(self, settings: ServerSettings, runner_cls: type | None = StandInRunner):
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it
-        # every answer on a kept-alive connection waits ~40 ms (Nagle meets delayed ACK).
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = bind_listening_socket("127.0.0.1", 0)  # with TCP_NODELAY: no ~40 ms Nagle stalls
         port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.settings = dataclasses.replace(settings, port=port)  # the port it really serves on
