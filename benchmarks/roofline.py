@@ -18,6 +18,10 @@
    step reads every weight and each row's KV cache.
 4. Per phase: time, compute bound (FLOPs / matmul peak), memory bound (bytes / bandwidth),
    which one applies, and the fraction of it reached; then the whole step's.
+5. Per phase, "matmuls alone": the phase's matmuls at its own shapes, run back to back with
+   nothing else, as a share of the 2048^3 rate. No implementation on this BLAS gets a phase
+   closer to its compute bound than that share; the gap between it and "of bound" is everything
+   else (attention, norms, sampling, Python).
 
 With the Tinker path (default; ``--no-tinker`` skips it): one LoRA ``forward_backward`` +
 ``optim_step`` of 8 rows x 64 tokens through a real server and the real ``tinker`` SDK, against
@@ -76,6 +80,12 @@ class Shape:
         mlp = 3 * self.hidden * config.intermediate_size
         self.body = self.layers * (attention + mlp)  # matmul weights below the LM head
         self.head = self.hidden * config.vocab_size
+        # Each layer's linear weights as (out, in): q, k, v, o, gate, up, down.
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        inter = config.intermediate_size
+        self.layer_linears = [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q),
+                              (inter, self.hidden), (inter, self.hidden), (self.hidden, inter)]
+        self.vocab = config.vocab_size
         self.weight_bytes = 4 * (self.body + self.head + self.layers * 2 * self.hidden)
 
     def attention(self, first: int, last: int) -> float:
@@ -103,6 +113,55 @@ def phase_costs(shape: Shape, prompt: float, response: float) -> dict[str, tuple
     scoring = shape.forward(prompt, response, rows, PROMPTS)
     return {"rollout": (prefill + decode, shape.decode_bytes(prompt, response, rows)),
             "ref_logprob": (scoring, 0.0), "update": (3 * scoring, 0.0)}
+
+
+# -- what the matmuls alone take ---------------------------------------------------------------
+def matmul_shares(shape: Shape, prompt: float, response: float, turns: int = 5) -> dict[str, float]:
+    """Per phase: the rate of its matmuls alone, as a share of the 2048^3 rate.
+
+    The phase's products at its own shapes (a weight per layer, as in the model, so they do not
+    all sit in cache; for the update also each product's two gradients), called back to back
+    with nothing in between, in turns with a 2048^3 product (this machine's speed moves from
+    minute to minute), median over ``turns``. No implementation built on this BLAS does the
+    phase's arithmetic faster: the share is the most of its compute bound the phase can reach."""
+    weights = [torch.randn(out, inner) for _ in range(shape.layers) for out, inner in shape.layer_linears]
+    weights.append(torch.randn(shape.vocab, shape.hidden))  # the LM head, last
+    rows, prompt_rows, response_rows = PROMPTS * SAMPLES, PROMPTS * round(prompt), PROMPTS * SAMPLES * round(response)
+    sizes = {size for weight in weights for size in weight.shape}
+    activations = {n: torch.randn(max(response_rows, prompt_rows), n) for n in sizes}
+
+    def forward(tokens: int, head_tokens: int) -> list:
+        return [(activations[w.shape[1]][:tokens], w.t()) for w in weights[:-1]] + \
+               [(activations[shape.hidden][:head_tokens], weights[-1].t())]
+
+    def backward(tokens: int, head_tokens: int) -> list:  # the input's and the weight's gradient
+        pairs = []
+        for w in weights:
+            count = head_tokens if w is weights[-1] else tokens
+            out = activations[w.shape[0]][:count]
+            pairs += [(out, w), (out.t(), activations[w.shape[1]][:count])]
+        return pairs
+
+    scoring = forward(prompt_rows, 0) + forward(response_rows, response_rows)
+    products = {"rollout": forward(prompt_rows, PROMPTS) + forward(rows, rows) * round(response),
+                "ref_logprob": scoring,
+                "update": scoring + backward(prompt_rows, 0) + backward(response_rows, response_rows)}
+    big = torch.randn(2048, 2048)
+
+    def seconds(pairs) -> float:
+        start = time.perf_counter()
+        for a, b in pairs:
+            a @ b
+        return time.perf_counter() - start
+
+    shares = {}
+    for phase, pairs in products.items():
+        pairs = [(a, b) for a, b in pairs if a.shape[0] and b.shape[1]]
+        flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs)
+        seconds(pairs)
+        ratios = [(flops / seconds(pairs)) / (2 * 2048 ** 3 / seconds([(big, big)])) for _ in range(turns)]
+        shares[phase] = statistics.median(ratios)
+    return shares
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -257,18 +316,25 @@ def main() -> None:
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples, prompt {prompt:.1f} + response {response:.1f} tokens, "
           f"{decode}, median of {args.steps} steps after a first one of {first['timing_s/step']:.1f} s "
           f"(its rollout {first['timing_s/rollout']:.1f} s)\n")
-    print(f"{'phase':<12} {'time s':>7} {'GFLOP':>7} {'compute s':>9} {'memory s':>8} {'bound':>7} {'of bound':>8}")
-    total_compute = 0.0
+    shares = matmul_shares(shape, prompt, response)
+    print(f"{'phase':<12} {'time s':>7} {'GFLOP':>7} {'compute s':>9} {'memory s':>8} {'bound':>7} {'of bound':>8} "
+          f"{'matmuls alone':>13}")
+    total_compute = total_floor = 0.0
     for phase, (flops, nbytes) in costs.items():
         compute_s, memory_s = flops / peak, nbytes / bandwidth
         bound = max(compute_s, memory_s)
         total_compute += compute_s
+        total_floor += compute_s / shares[phase]
         print(f"{phase:<12} {seconds[phase]:7.3f} {flops / 1e9:7.2f} {compute_s:9.3f} {memory_s:8.3f} "
-              f"{'compute' if compute_s >= memory_s else 'memory':>7} {bound / seconds[phase]:8.0%}")
+              f"{'compute' if compute_s >= memory_s else 'memory':>7} {bound / seconds[phase]:8.0%} "
+              f"{shares[phase]:13.0%}")
     rest = seconds["step"] - sum(seconds[p] for p in costs)
     print(f"{'the rest':<12} {rest:7.3f}  (advantages, weight sync, batching: no arithmetic counted)")
+    print("matmuls alone: the phase's matmuls at its own shapes, back to back with nothing else, as a share of the "
+          "2048^3 rate (in turns with it): the most of its bound a phase can reach with this BLAS")
     print(f"\nwhole step: {total_compute / seconds['step']:.0%} of its compute bound "
-          f"({seconds['step']:.3f} s for {total_compute:.3f} s of arithmetic at the 2048^3 matmul rate)")
+          f"({seconds['step']:.3f} s for {total_compute:.3f} s of arithmetic at the 2048^3 matmul rate; "
+          f"its matmuls alone would reach {total_compute / total_floor:.0%})")
     if not args.no_tinker:
         tinker_overhead(repeats=args.repeats, compare_with=args.compare_with)
 
