@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-HEAVY_PACKAGES = ("torch", "transformers", "ray", "vllm")
+HEAVY_PACKAGES = ("torch", "transformers", "ray", "vllm", "aiohttp")  # none in the thin client
 _HEAVY_IMPORT_BLOCKER = textwrap.dedent(
     f"""
     import sys
@@ -24,7 +24,7 @@ _HEAVY_IMPORT_BLOCKER = textwrap.dedent(
 @pytest.fixture
 def run_without_heavy_packages():
     """``run(code) -> CompletedProcess``: Python code in a subprocess where importing torch,
-    transformers, ray or vllm fails, as on a laptop with only the thin client."""
+    transformers, ray, vllm or aiohttp fails, as on a laptop with only the thin client."""
 
     def run(code: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", _HEAVY_IMPORT_BLOCKER + textwrap.dedent(code)],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import zlib
 from collections import Counter, defaultdict
@@ -20,6 +21,8 @@ from opentinker.environments.registry import select_interaction
 
 if TYPE_CHECKING:
     from opentinker.engine.data import Prompt
+
+logger = logging.getLogger(__name__)
 
 
 def single_turn_trajectory(prompt_ids: list[int], completion: Completion, reward: float) -> Trajectory:
@@ -94,8 +97,23 @@ class AgentLoopRunner:
         return dict(zip(urls, asyncio.run_coroutine_threadsafe(probe_all(), self._loop).result()))
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        """Closes the interactions' connections on the loop they were opened in, then the loop."""
+
+        async def close_interactions() -> None:
+            results = await asyncio.gather(*(i.aclose() for i in self.interactions.values()), return_exceptions=True)
+            for interaction, result in zip(self.interactions.values(), results):
+                if isinstance(result, Exception):
+                    logger.warning("closing interaction %r failed: %r", interaction.name, result)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(close_interactions(), self._loop).result(timeout=10)
+            except Exception as exc:  # a wedged loop must not keep the trainer from closing
+                logger.warning("closing the interactions failed: %r", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
         if isinstance(self.requests, RequestBatcher):
             self.requests.close()
 

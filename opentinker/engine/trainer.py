@@ -757,9 +757,15 @@ class RLTrainer:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
+    def __enter__(self) -> RLTrainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Stop the rollout pipeline, the agent-loop threads and the wandb run (the trainer is
-        unusable afterwards)."""
+        """Stop the rollout pipeline, the agent-loop threads (closing the interactions'
+        connections) and the wandb run (the trainer is unusable afterwards)."""
         if self.pipeline is not None:
             self.pipeline.close()
         if self.agent_loops is not None:

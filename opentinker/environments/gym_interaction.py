@@ -43,9 +43,8 @@ import re
 import string
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -65,6 +64,9 @@ from opentinker.environments.interaction import (
     InteractionContext,
     last_assistant_content,
 )
+
+if TYPE_CHECKING:
+    from opentinker.environments.env_http import Answer
 
 __all__ = ["GymEnvironmentInteraction", "check_endpoint", "shard_urls"]
 
@@ -133,17 +135,18 @@ def shard_urls(
 
 async def check_endpoint(url: str, timeout_s: float = 5.0) -> None:
     """GET ``{url}/health``; raise :class:`EnvironmentServerError` naming the URL unless it answers 2xx."""
+    from opentinker.environments import env_http  # aiohttp: the trainer's side only
+
     health = _join(url, "health")
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, follow_redirects=False) as client:
-            response = await client.get(health)
-    except httpx.HTTPError as exc:
+        async with env_http.new_session(timeout_s, 1) as session:
+            answer = await env_http.request(session, "GET", health, timeout_s)
+    except (env_http.NoAnswer, env_http.BadAnswer, ValueError) as exc:
         raise EnvironmentServerError(
-            health,
-            f"unreachable ({type(exc).__name__}: {exc or 'no detail'}); is the environment server running?",
+            health, f"unreachable ({exc or 'no detail'}); is the environment server running?",
         ) from exc
-    if not response.is_success:
-        raise EnvironmentServerError(health, f"health check answered HTTP {response.status_code}")
+    if not 200 <= answer.status < 300:
+        raise EnvironmentServerError(health, f"health check answered HTTP {answer.status}")
 
 
 def _bounded(config: dict[str, Any], key: str, default: float, low: float, high: float, *,
@@ -202,25 +205,25 @@ def _checked_template(template: Any) -> str:
     return template
 
 
-def _reply_shape(response: httpx.Response) -> str:
+def _reply_shape(answer: Answer) -> str:
     """Content type and size of an answer: what an error may say about a body it does not quote."""
-    media_type = response.headers.get("content-type", "").split(";")[0].strip()
+    media_type = answer.content_type.split(";")[0].strip()
     shown = media_type if _MEDIA_TYPE.fullmatch(media_type) else "unknown content type"
-    return f"{shown}, {len(response.content)} bytes"
+    return f"{shown}, {len(answer.body)} bytes"
 
 
-def _reply_problem(response: httpx.Response) -> str:
+def _reply_problem(answer: Answer) -> str:
     """``HTTP <status>`` plus the env protocol's ``{"error": ...}`` text, or else only the answer's shape."""
     try:
-        data = response.json()
+        data = answer.json()
     except ValueError:
         data = None
     if isinstance(data, dict) and isinstance(data.get("error"), str):
         message = data["error"]
         if len(message) > _MAX_ERROR_CHARS:
             message = message[:_MAX_ERROR_CHARS] + "..."
-        return f"HTTP {response.status_code}: {message}"
-    return f"HTTP {response.status_code} ({_reply_shape(response)})"
+        return f"HTTP {answer.status}: {message}"
+    return f"HTTP {answer.status} ({_reply_shape(answer)})"
 
 
 @dataclass
@@ -295,7 +298,7 @@ class GymEnvironmentInteraction(Interaction):
         self._job_id_fixed = context.job_id is not None
         self.job_id: str | None = context.job_id if self._job_id_fixed else _job_id(cfg.get("job_id"), "job_id")
         self._instances: dict[str, _Instance] = {}
-        self._client: httpx.AsyncClient | None = None
+        self._client: Any = None  # an aiohttp session (env_http.new_session), made on first use
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -308,32 +311,34 @@ class GymEnvironmentInteraction(Interaction):
 
     # HTTP plumbing ---------------------------------------------------------------------
 
-    def _http(self) -> httpx.AsyncClient:
-        """The shared client, created on first use in the running event loop.
+    async def _session(self) -> Any:
+        """The shared HTTP session, created on first use in the running event loop.
 
-        A client's pooled connections belong to one event loop; if the interaction is
-        used from a new loop, a new client is made (the old loop is gone with its sockets).
+        A session's pooled connections belong to one event loop; if the interaction is
+        used from a new loop, a new session is made (the old loop is gone with its sockets).
+        Redirects are never followed (one could lead to a host the endpoint policy never
+        checked) and proxy settings never read from the environment.
         """
+        from opentinker.environments import env_http
+
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client.is_closed or self._client_loop is not loop:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout_s),
-                limits=httpx.Limits(
-                    max_connections=self.max_connections,
-                    max_keepalive_connections=min(64, self.max_connections),
-                ),
-                # A redirect could send a request to a host the endpoint policy never checked.
-                follow_redirects=False,
-                trust_env=False,
-            )
+        if self._client is None or self._client.closed or self._client_loop is not loop:
+            if self._client is not None and not self._client.closed:
+                await env_http.forget(self._client)
+            self._client = env_http.new_session(self.timeout_s, self.max_connections)
             self._client_loop = loop
         return self._client
 
     async def aclose(self) -> None:
-        """Close the HTTP client (the interaction can still be used; a new one is made)."""
-        client, self._client, self._client_loop = self._client, None, None
-        if client is not None and not client.is_closed:
-            await client.aclose()
+        """Close the HTTP session (the interaction can still be used; a new one is made)."""
+        client, loop, self._client, self._client_loop = self._client, self._client_loop, None, None
+        if client is not None and not client.closed:
+            if loop is asyncio.get_running_loop():
+                await client.close()
+            else:
+                from opentinker.environments import env_http
+
+                await env_http.forget(client)
 
     async def __aenter__(self) -> GymEnvironmentInteraction:
         return self
@@ -354,26 +359,24 @@ class GymEnvironmentInteraction(Interaction):
         return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
 
     async def _request_once(self, url: str, body: dict[str, Any]) -> Any:
+        from opentinker.environments import env_http
+
         try:
-            response = await self._http().post(url, json=body)
-        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
-            raise EnvironmentServerError(url, f"{type(exc).__name__}: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            raise _Retryable(f"timed out after {self.timeout_s:g}s ({type(exc).__name__})", True) from exc
-        except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc or 'connection failed'}", True) from exc
-        except httpx.HTTPError as exc:  # e.g. a body that cannot be decoded
-            raise EnvironmentServerError(url, f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 500:
-            raise _Retryable(_reply_problem(response), response.status_code in _UNAVAILABLE_STATUSES)
-        if 300 <= response.status_code < 400:
-            raise EnvironmentServerError(url, f"HTTP {response.status_code}: redirects are not followed")
-        if response.status_code >= 400:
-            raise EnvironmentServerError(url, _reply_problem(response))
+            answer = await env_http.request(await self._session(), "POST", url, self.timeout_s, body)
+        except env_http.NoAnswer as exc:
+            raise _Retryable(str(exc), True) from exc
+        except (env_http.BadAnswer, ValueError) as exc:
+            raise EnvironmentServerError(url, str(exc)) from exc
+        if answer.status >= 500:
+            raise _Retryable(_reply_problem(answer), answer.status in _UNAVAILABLE_STATUSES)
+        if 300 <= answer.status < 400:
+            raise EnvironmentServerError(url, f"HTTP {answer.status}: redirects are not followed")
+        if answer.status >= 400:
+            raise EnvironmentServerError(url, _reply_problem(answer))
         try:
-            return response.json()
+            return answer.json()
         except ValueError as exc:
-            raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(response)})") from exc
+            raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(answer)})") from exc
 
     async def _post(self, base: str, path: str, body: dict[str, Any], retries: int | None = None) -> Any:
         url = _join(base, path)

@@ -191,6 +191,10 @@ class Interaction(ABC):
         """Release the instance's state. Safe to call for an unknown or finished instance."""
         self._rewards.pop(instance_id, None)
 
+    async def aclose(self) -> None:
+        """Release what the interaction holds between instances (connections); called when its
+        event loop ends. It may be used again afterwards. By default nothing to release."""
+
     # Helpers for subclasses -------------------------------------------------------------
 
     def _record_reward(self, instance_id: str, reward: float) -> None:

@@ -67,15 +67,15 @@ class RecordingRun:
 
 def test_an_env_answering_500_skips_steps_then_fails_with_a_clear_error(tiny_model_dir, capsys):
     with running_env_server(DownEnv) as (url,):
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*SMALL, "trainer.total_training_steps=10", "trainer.max_consecutive_empty_steps=3"]),
             train_rows=data_free_rows(8),
             interactions={"arith": GymEnvironmentInteraction({"env_endpoint": url, "retries": 0})},
-        )
-        trainer.wandb_run = RecordingRun()
-        steps = []
-        with pytest.raises(EnvironmentUnavailableError) as err:
-            trainer.fit(on_step=lambda step, metrics: steps.append((step, metrics)))
+        ) as trainer:
+            trainer.wandb_run = RecordingRun()
+            steps = []
+            with pytest.raises(EnvironmentUnavailableError) as err:
+                trainer.fit(on_step=lambda step, metrics: steps.append((step, metrics)))
     last_error = f"environment server {url}/reset failed: HTTP 500: RuntimeError: the simulator is down"
     # the job kept going for max - 1 = 2 steps, each counted as a step ...
     assert [step for step, _ in steps] == [1, 2] and trainer.global_step == 2
@@ -102,13 +102,13 @@ def test_an_env_answering_500_skips_steps_then_fails_with_a_clear_error(tiny_mod
 
 def test_validation_with_every_sample_failed_reports_only_the_count(tiny_model_dir):
     with running_env_server(DownEnv) as (url,):
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*SMALL, "data.val_batch_size=4", "actor_rollout_ref.rollout.val_n=2",
                          "actor_rollout_ref.rollout.val_temperature=1.0"]),
             train_rows=data_free_rows(8), val_rows=data_free_rows(4),
             interactions={"arith": GymEnvironmentInteraction({"env_endpoint": url, "retries": 0})},
-        )
-        assert trainer.validate() == {"val/excluded": 8.0}
+        ) as trainer:
+            assert trainer.validate() == {"val/excluded": 8.0}
 
 
 def free_port() -> int:
@@ -153,20 +153,20 @@ def test_a_killed_env_server_is_waited_for_and_no_step_is_lost(tiny_model_dir):
     servers = [start_env_server(port)]
     restart = threading.Timer(OUTAGE_S, lambda: servers.append(start_env_server(port)))
     try:
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*SMALL, "trainer.total_training_steps=6"]),
             train_rows=data_free_rows(12),
             interactions={"arith": GymEnvironmentInteraction({"env_endpoint": url})},
-        )
-        warnings: list[str] = []
-        trainer.on_warning = warnings.append
+        ) as trainer:
+            warnings: list[str] = []
+            trainer.on_warning = warnings.append
 
-        def on_step(step, metrics):
-            if step == 2:
-                kill(servers[0])
-                restart.start()
+            def on_step(step, metrics):
+                if step == 2:
+                    kill(servers[0])
+                    restart.start()
 
-        history = trainer.fit(on_step=on_step)
+            history = trainer.fit(on_step=on_step)
     finally:
         restart.cancel()  # not yet started when the run failed early
         if restart.is_alive():
@@ -183,7 +183,7 @@ def test_a_killed_env_server_is_waited_for_and_no_step_is_lost(tiny_model_dir):
     assert warnings[0].startswith(f"step 3: waiting for env server(s) {url} (interaction 'arith'), which could "
                                   "not be reached; the step is redone as soon as their /health answers; the job "
                                   "fails in 300 s otherwise (trainer.env_outage_timeout_s=300); last error: "
-                                  f"environment server {url}/reset failed: ConnectError")
+                                  f"environment server {url}/reset failed: ClientConnectorError")
     # at most one "still waiting" per 10 s (none, unless a slow restart missed the 15.5 s probe)
     assert len(warnings) - 2 <= waited // 10
     assert all(w.startswith(f"step 3: still waiting for env server(s) {url} (interaction 'arith') after ")
@@ -216,7 +216,7 @@ def test_the_wait_backs_off_warns_every_10_s_and_gives_up_naming_the_timeout():
     # then at most one per 10 s, with the last probe's error
     assert [w.split(" after ")[1].split(";")[0] for w in warnings[1:]] == ["16 s", "26 s", "36 s", "46 s", "56 s"]
     assert all(w.startswith(f"step 7: still waiting for env server(s) {url} (interaction 'arith') after ")
-               and f"last error: environment server {url}/health failed: unreachable (ConnectError" in w
+               and f"last error: environment server {url}/health failed: unreachable (ClientConnectorError" in w
                for w in warnings[1:])
     assert str(err.value).startswith(f"step 7: env server(s) {url} (interaction 'arith') still unreachable after "
                                      "60.0 s (trainer.env_outage_timeout_s=60; the step was tried 1 time(s) and "
@@ -259,7 +259,7 @@ def test_a_job_whose_env_server_never_comes_back_fails_when_the_timeout_is_up(ti
                                 "still unreachable after ") + r"(\d+\.\d) s \(trainer\.env_outage_timeout_s=2; ",
                       outcome["error"])
     assert waited and float(waited.group(1)) >= 2.0, outcome["error"]
-    assert "last error: environment server " in outcome["error"] and "ConnectError" in outcome["error"]
+    assert "last error: environment server " in outcome["error"] and "ClientConnectorError" in outcome["error"]
     warnings = warning_events(events)
     assert len(warnings) == 1 and warnings[0].startswith(f"step 1: waiting for env server(s) {url} ")
     assert "the job fails in 2 s otherwise (trainer.env_outage_timeout_s=2)" in warnings[0]

@@ -49,13 +49,13 @@ def spy_on_advantages(trainer: RLTrainer) -> list:
 def test_training_goes_on_when_the_env_server_fails(tiny_model_dir):
     with running_env_server(FlakyArithmeticEnv) as urls:
         interaction = GymEnvironmentInteraction({"env_endpoint": urls[0], "retries": 0})
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*BASE, "trainer.total_training_steps=2", "trainer.test_freq=-1"]),
             train_rows=data_free_rows(64, "flaky"), interactions={"flaky": interaction},
-        )
-        seen = spy_on_advantages(trainer)
-        history = trainer.fit()
-        live = httpx.get(f"{urls[0]}/health").json()["instances"]
+        ) as trainer:
+            seen = spy_on_advantages(trainer)
+            history = trainer.fit()
+            live = httpx.get(f"{urls[0]}/health").json()["instances"]
     errors = sum(m["env/flaky/env_errors"] for m in history)
     assert errors > 0  # some problems crashed the env ...
     assert all(m["actor/optimizer_steps"] == 1 for m in history)  # ... and every step still trained
@@ -74,14 +74,14 @@ def test_training_goes_on_when_the_env_server_fails(tiny_model_dir):
 
 def test_a_numeric_env_error_reward_keeps_failed_samples_with_that_reward(tiny_model_dir):
     with running_env_server(FlakyArithmeticEnv) as urls:
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*BASE, "trainer.total_training_steps=1", "trainer.test_freq=-1",
                          "actor_rollout_ref.rollout.multi_turn.env_error_reward=-0.5"]),
             train_rows=data_free_rows(64, "flaky"),
             interactions={"flaky": GymEnvironmentInteraction({"env_endpoint": urls[0], "retries": 0})},
-        )
-        seen = spy_on_advantages(trainer)
-        metrics = trainer.fit()[-1]
+        ) as trainer:
+            seen = spy_on_advantages(trainer)
+            metrics = trainer.fit()[-1]
     (batch_size, trajectories), = seen
     failed = [t for t in trajectories if t.stop_reason == "env_error"]
     assert len(failed) == metrics["env/flaky/env_errors"] > 0  # in the batch, with the configured reward
@@ -91,20 +91,20 @@ def test_a_numeric_env_error_reward_keeps_failed_samples_with_that_reward(tiny_m
 
 def test_validation_leaves_failed_samples_out_and_counts_them(tiny_model_dir):
     with running_env_server(FlakyArithmeticEnv) as urls:
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*BASE, "trainer.total_training_steps=1", "data.val_batch_size=32"]),
             train_rows=data_free_rows(8, "flaky"), val_rows=data_free_rows(32, "flaky"),
             interactions={"flaky": GymEnvironmentInteraction({"env_endpoint": urls[0], "retries": 0})},
-        )
-        rollouts = []
-        real_generate = trainer.generate
+        ) as trainer:
+            rollouts = []
+            real_generate = trainer.generate
 
-        def generate(*args, **kwargs):  # records the validation rollout; the real method runs
-            rollouts.append(real_generate(*args, **kwargs))
-            return rollouts[-1]
+            def generate(*args, **kwargs):  # records the validation rollout; the real method runs
+                rollouts.append(real_generate(*args, **kwargs))
+                return rollouts[-1]
 
-        trainer.generate = generate
-        metrics = trainer.validate()
+            trainer.generate = generate
+            metrics = trainer.validate()
     kept = [t.reward for t in rollouts[0].trajectories if not t.excluded]
     excluded = len(rollouts[0].trajectories) - len(kept)
     assert 0 < excluded < 32
@@ -124,15 +124,15 @@ class TooLongPromptEnv(ArithmeticEnv):
 
 def test_env_prompts_longer_than_max_prompt_length_are_left_out(tiny_model_dir):
     with running_env_server(TooLongPromptEnv) as urls:
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*BASE, "trainer.total_training_steps=1", "trainer.test_freq=-1", "data.max_prompt_length=128",
                          "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
                          "actor_rollout_ref.actor.ppo_mini_batch_size=8"]),
             train_rows=data_free_rows(8, "wordy"),
             interactions={"wordy": GymEnvironmentInteraction({"env_endpoint": urls[0]})},
-        )
-        seen = spy_on_advantages(trainer)
-        metrics = trainer.fit()[-1]
+        ) as trainer:
+            seen = spy_on_advantages(trainer)
+            metrics = trainer.fit()[-1]
     too_long = metrics["env/wordy/prompt_too_long"]
     assert 0 < too_long < 16 and too_long % 2 == 0  # the n samples of a prompt share its seed
     assert metrics["env/wordy/stop/prompt_too_long"] == too_long / 16
@@ -144,15 +144,15 @@ def test_env_prompts_longer_than_max_prompt_length_are_left_out(tiny_model_dir):
 def test_guess_the_number_runs_multi_turn_episodes(tiny_model_dir):
     with running_env_server(GuessNumberEnv) as urls:
         interaction = GymEnvironmentInteraction({"env_endpoint": urls[0]})
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config(["trainer.progress_bar=false", "trainer.total_training_steps=1", "trainer.test_freq=-1",
                          "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
                          "data.max_response_length=128", "data.train_batch_size=2",
                          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4"]),
             train_rows=data_free_rows(8, "guess"), interactions={"guess": interaction},
-        )
-        metrics = trainer.fit()[-1]
-        batch_sizes = trainer.agent_loops.requests.batch_sizes
+        ) as trainer:
+            metrics = trainer.fit()[-1]
+            batch_sizes = trainer.agent_loops.requests.batch_sizes
     assert max(batch_sizes) > 1  # concurrent agent loops shared generate calls
     assert metrics["env/guess/samples"] == 8
     assert metrics["env/guess/turns_mean"] > 1  # the env answered and the model guessed again
@@ -163,19 +163,19 @@ def test_guess_the_number_runs_multi_turn_episodes(tiny_model_dir):
 def test_grpo_through_the_http_env_server_raises_reward(tiny_model_dir):
     """Arithmetic served over HTTP (data-free rows, reward from the env): reward rises. The env
     server is a process of its own, as in a deployment (in threads of this process it would
-    take the trainer's GIL: 1.3 s of rollout a step instead of 0.85 s)."""
+    take the trainer's GIL)."""
     port = free_port()
     server = start_env_server(port)
     try:
         interaction = GymEnvironmentInteraction({"env_endpoint": f"http://127.0.0.1:{port}"})
-        trainer = RLTrainer(
+        with RLTrainer(
             make_config([*BASE, "trainer.total_training_steps=40", "trainer.test_freq=40",
                          "actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.use_kl_loss=true",
                          "data.val_batch_size=128", "trainer.seed=0"]),
             train_rows=data_free_rows(512, "arithmetic"), val_rows=data_free_rows(128, "arithmetic"),
             interactions={"arithmetic": interaction},
-        )
-        history = trainer.fit()
+        ) as trainer:
+            history = trainer.fit()
     finally:
         kill(server)
     before, after = history[0]["val/accuracy"], history[-1]["val/accuracy"]

@@ -28,13 +28,14 @@ from opentinker.environments.gym_interaction import (
     check_endpoint,
     shard_urls,
 )
+from opentinker.environments import env_http
 from opentinker.environments.interaction import EnvironmentServerError, InitialObservation, InteractionContext
 from opentinker.environments.server import create_env_app, running_app_servers
 
 SLOW_SECONDS = 1.0
 SECRET = "SECRET-TOKEN-of-another-service"
 MODES = ("ok", "flaky", "flakystep", "err500", "err400", "slow", "badjson", "list", "missing", "missingstep",
-         "html500", "proto400", "longerror", "redirect", "err503")
+         "html500", "proto400", "longerror", "redirect", "err503", "huge")
 
 
 def make_app(server_id: str, mode: str, state: SimpleNamespace) -> FastAPI:
@@ -67,6 +68,8 @@ def make_app(server_id: str, mode: str, state: SimpleNamespace) -> FastAPI:
             return Response(f"this is {{not json {SECRET}", media_type="application/json")
         if mode == "list":
             return JSONResponse([1, 2, 3])
+        if mode == "huge":  # one byte over what is read of an answer
+            return Response(b"x" * (env_http.MAX_ANSWER_BYTES + 1), media_type="application/json")
         if mode == "missing" and route == "reset":
             return JSONResponse({"obs": "no observation key"})
         if mode == "missing" and route == "step":
@@ -303,15 +306,19 @@ def test_numeric_config_keys_accept_their_bounds():
     assert (env.retries, env.backoff_s, env.max_steps, env.max_connections) == (0, 0.0, 1, 1)
 
 
-def test_trust_env_is_not_client_settable():
+def test_trust_env_is_not_client_settable_and_proxy_settings_are_never_read(server, monkeypatch):
     with pytest.raises(ValueError, match="trust_env is not supported"):
         GymEnvironmentInteraction({"env_endpoint": "http://127.0.0.1:1", "trust_env": True})
+    # A proxy nobody listens on: a request that read these settings would fail.
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, dead_url())
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
 
     async def main():
-        env = GymEnvironmentInteraction({"env_endpoint": "http://127.0.0.1:1", "trust_env": False})
-        client = env._http()
-        assert client.trust_env is False and client.follow_redirects is False
-        await env.aclose()
+        async with make_env(server.url(), trust_env=False, retries=0) as env:
+            iid = await env.start_interaction()
+            assert (await env.initial_observation(iid)).observation == "count=0 on A"
 
     run(main())
 
@@ -477,6 +484,17 @@ def test_redirects_are_not_followed(server):
         # the health check does not follow one either: a redirect is not healthy
         with pytest.raises(EnvironmentServerError, match="health check answered HTTP 307"):
             await check_endpoint(server.url("redirect"))
+
+    run(main())
+
+
+def test_an_answer_past_the_size_bound_is_refused_unread(server):
+    async def main():
+        async with make_env(server.url("huge"), retries=2) as env:
+            with pytest.raises(EnvironmentServerError) as err:
+                await env.start_interaction("huge")
+        assert str(err.value).endswith(f"/reset failed: answer larger than {env_http.MAX_ANSWER_BYTES} bytes (HTTP 200)")
+        assert server.app.state.attempts[("huge", "reset", "huge")] == 1  # not retried
 
     run(main())
 
