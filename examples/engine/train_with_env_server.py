@@ -43,8 +43,8 @@ def main() -> None:
         ])
         rows = [{"extra_info": {"interaction_kwargs": {"name": args.env}}} for _ in range(512)]
         interaction = GymEnvironmentInteraction({"env_endpoint": urls[0]})
-        trainer = RLTrainer(cfg, train_rows=rows, val_rows=rows[:64], interactions={args.env: interaction})
-        history = trainer.fit()
+        with RLTrainer(cfg, train_rows=rows, val_rows=rows[:64], interactions={args.env: interaction}) as trainer:
+            history = trainer.fit()
     rewards = [m[f"env/{args.env}/reward_mean"] for m in history if f"env/{args.env}/reward_mean" in m]
     quarter = max(1, len(rewards) // 4)
     print(f"env reward: first {quarter} steps {sum(rewards[:quarter]) / quarter:.3f} -> "
