@@ -50,8 +50,10 @@ def new_session(timeout_s: float, max_connections: int) -> aiohttp.ClientSession
     open connections; ``timeout_s`` bounds each phase of a call (waiting for a connection,
     connecting, each read), as httpx's timeouts do."""
     timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections), timeout=timeout,
-                                 trust_env=False)
+    # Idle connections are dropped after 4 s, before uvicorn's 5 s keep-alive closes them at the
+    # other end: a request sent on a connection the server is closing would fail.
+    connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=4.0)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False)
 
 
 async def forget(session: aiohttp.ClientSession) -> None:
