@@ -76,15 +76,13 @@ class Shape:
         self.hidden = config.hidden_size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * config.intermediate_size
-        self.body = self.layers * (attention + mlp)  # matmul weights below the LM head
-        self.head = self.hidden * config.vocab_size
         # Each layer's linear weights as (out, in): q, k, v, o, gate, up, down.
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         inter = config.intermediate_size
         self.layer_linears = [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q),
                               (inter, self.hidden), (inter, self.hidden), (self.hidden, inter)]
+        self.body = self.layers * sum(out * inner for out, inner in self.layer_linears)  # weights below the LM head
+        self.head = self.hidden * config.vocab_size
         self.vocab = config.vocab_size
         self.weight_bytes = 4 * (self.body + self.head + self.layers * 2 * self.hidden)
 
