@@ -129,21 +129,30 @@ def _tinker_inputs(batch: TokenBatch, logprobs: torch.Tensor) -> TokenBatch:
     batch.tensors["advantages"] = torch.randn(batch.response_mask.shape, generator=generator) * batch.response_mask
     batch.tensors["old_logprobs"] = (logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator)) * batch.response_mask
     batch.tensors["weights"] = batch.response_mask * torch.rand(batch.response_mask.shape, generator=generator)
+    # GSPO's sequence ratio over all but each row's first position (as if that were a prompt's).
+    batch.tensors["sequence_ratio_mask"] = batch.response_mask.clone()
+    batch.tensors["sequence_ratio_mask"][:, 0] = 0
     return batch
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                                     "stable_reinforce"])
 def test_tinker_losses_are_weighted_sums_over_tokens(make_backend, batch, loss_fn):
     backend = make_backend()
     logprobs = backend.forward(batch).logprobs
     _tinker_inputs(batch, logprobs)
     w, adv, old = batch.tensors["weights"], batch.tensors["advantages"], batch.tensors["old_logprobs"]
     ratio = torch.exp(logprobs - old)
+    marked = batch.tensors["sequence_ratio_mask"]
+    sequence_ratio = torch.exp(((logprobs - old) * marked).sum(-1, keepdim=True) / marked.sum(-1, keepdim=True).clamp(min=1))
     expected_elementwise = {
         "cross_entropy": -logprobs,
         "importance_sampling": -ratio * adv,
         "ppo": -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv),
         "cispo": -ratio.clamp(0.8, 1.2) * logprobs * adv,
+        "dro": -(logprobs * adv - 0.025 * (logprobs - old) ** 2),
+        "gspo": -torch.minimum(sequence_ratio * adv, sequence_ratio.clamp(0.8, 1.2) * adv),
+        "stable_reinforce": -ratio.clamp(max=2.0) * logprobs * adv,
     }[loss_fn]
     out = backend.forward_backward(batch, loss_fn)
     assert torch.allclose(out.logprobs, logprobs, atol=1e-5)
@@ -204,10 +213,19 @@ def test_gradients_accumulate_across_calls_until_the_step(make_backend, batch):
     assert grads(whole.model) == {}  # cleared by the step
 
 
+def test_gspos_sequence_ratio_is_per_row_so_split_requests_give_the_same_gradients(make_backend, batch):
+    whole, pieces = make_backend(), make_backend()
+    _tinker_inputs(batch, whole.forward(batch).logprobs)
+    whole.forward_backward(batch, "gspo")
+    for part in batch.split(2):
+        pieces.forward_backward(part, "gspo")
+    assert_close_grads(grads(whole.model), grads(pieces.model))
+
+
 def test_loss_errors_name_what_is_supported(make_backend, batch):
     backend = make_backend()
-    with pytest.raises(ValueError, match="unknown loss function 'dro'; supported: cispo, cross_entropy"):
-        backend.forward_backward(batch, "dro")
+    with pytest.raises(ValueError, match="unknown loss function 'dpo'; supported: cispo, cross_entropy, dro"):
+        backend.forward_backward(batch, "dpo")
     with pytest.raises(ValueError, match="loss 'ppo': unknown option"):
         backend.forward_backward(batch, "ppo", {"clip_ratio": 0.3})
     with pytest.raises(ValueError, match="loss 'importance_sampling' needs the per-token input 'old_logprobs'"):

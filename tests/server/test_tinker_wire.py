@@ -42,8 +42,16 @@ def test_the_sdks_request_decodes_to_the_same_arrays():
 
 def test_refusals_name_the_problem():
     ok = types.Datum(model_input=types.ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 7]})
-    with pytest.raises(wire.WireError, match="'stable_reinforce' is not supported.*cross_entropy"):
-        wire.decode_forward_backward(_body([ok], loss="stable_reinforce"))
+    with pytest.raises(wire.WireError, match="'custom' is not supported.*cross_entropy.*stable_reinforce"):
+        wire.decode_forward_backward(_body([ok], loss="custom"))
+    rl = types.Datum(model_input=types.ModelInput.from_ints([5, 6]),
+                     loss_fn_inputs={"target_tokens": [6, 7], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]})
+    with pytest.raises(wire.WireError, match="loss 'gspo' needs loss_fn_inputs 'sequence_ratio_mask'"):
+        wire.decode_forward_backward(_body([rl], loss="gspo"))
+    with pytest.raises(wire.WireError, match="clip_high_threshold >= 1, got 0.5"):
+        wire.decode_forward_backward(_body([rl], loss="stable_reinforce", config={"clip_high_threshold": 0.5}))
+    with pytest.raises(wire.WireError, match="beta >= 0"):
+        wire.decode_forward_backward(_body([rl], loss="dro", config={"beta": -1.0}))
     with pytest.raises(wire.WireError, match="takes no option.*'clip'"):
         wire.decode_forward_backward(_body([ok], config={"clip": 1.0}))
     with pytest.raises(wire.WireError, match="clip_low_threshold <= 1"):
@@ -80,12 +88,25 @@ def test_the_supported_losses_are_the_backends_with_the_same_options():
         assert set(spec.inputs) == {INPUT_NAMES[n] for n in needed}
 
 
-def test_provenance_spans_the_cookbook_attaches_are_ignored():
-    from tinker.types.provenance_spans import SampledProvenanceSpan
+@pytest.mark.parametrize("loss", ["importance_sampling", "stable_reinforce"])
+def test_provenance_spans_the_cookbook_attaches_are_accepted(loss):
+    from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan
 
-    spans = [SampledProvenanceSpan(sequence_id="r:0", offset=0, length=2)]
+    # What the cookbook's rl_loop attaches for stable_reinforce (with_sampled_provenance).
     d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
-                    loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [-1.0, -1.0, -1.0],
-                                    "advantages": [1.0, 1.0, 1.0]}, model_input_spans=spans, loss_fn_input_spans=spans)
-    (datum,) = wire.decode_forward_backward(_body([d], loss="importance_sampling")).data
-    assert datum.tokens.tolist() == [5, 6, 7]
+                    loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [0.0, -1.0, -1.0],
+                                    "advantages": [0.0, 1.0, 1.0]}).with_provenance(
+        model_input=[PromptProvenanceSpan(sequence_id="r:0", length=2), SampledProvenanceSpan(sequence_id="r:0", length=1)],
+        loss_fn_inputs=[PromptProvenanceSpan(sequence_id="r:0", offset=1, length=1),
+                        SampledProvenanceSpan(sequence_id="r:0", length=2)])
+    call = wire.decode_forward_backward(_body([d], loss=loss, config=None))
+    assert call.loss_fn == loss and call.data[0].tokens.tolist() == [5, 6, 7]
+
+
+def test_gspos_sequence_ratio_mask_is_a_float_input():
+    d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                    loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [0.0, -1.0, -1.0],
+                                    "advantages": [0.0, 1.0, 1.0], "sequence_ratio_mask": [0.0, 1.0, 1.0]})
+    call = wire.decode_forward_backward(_body([d], loss="gspo"))
+    assert call.loss_config == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert call.data[0].inputs["sequence_ratio_mask"].tolist() == [0.0, 1.0, 1.0]

@@ -13,6 +13,11 @@ Built in (the Tinker API's semantics, ``r = exp(logprobs - old_logprobs)``):
 - ``ppo``: ``-min(r * A, clip(r, lo, hi) * A)`` with ``clip_low_threshold`` (0.8) and
   ``clip_high_threshold`` (1.2);
 - ``cispo``: ``-sg(clip(r, lo, hi)) * logp * A``, same thresholds;
+- ``dro``: ``-(logp * A - beta/2 * (logp - old_logprobs)^2)`` with ``beta`` (0.05);
+- ``gspo``: PPO's clipped objective on GSPO-token's ratio, a datum's sequence ratio as the
+  value and each token's own gradient (``sequence_ratio_mask`` marks the tokens it averages);
+- ``stable_reinforce``: REINFORCE with a truncated importance weight,
+  ``-sg(min(r, clip_high_threshold)) * logp * A`` (2.0; Tinker does not publish its objective);
 - ``rl_policy``: the PPO recipe's loss: a policy loss of
   :mod:`opentinker.engine.algorithms.policy_losses` (``policy_loss``: vanilla | gspo | cispo,
   with ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``), plus
@@ -28,6 +33,7 @@ Built in (the Tinker API's semantics, ``r = exp(logprobs - old_logprobs)``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +157,59 @@ def cispo(logprobs, inputs, config, entropy):
     ratio = _ratio(logprobs.detach(), inputs)
     weight = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
     return -weight * logprobs * inputs["advantages"], {"clipfrac": (weight != ratio).to(logprobs.dtype)}
+
+
+@register_loss("dro", inputs=("old_logprobs", "advantages"), options={"beta": 0.05})
+def dro(logprobs, inputs, config, entropy):
+    """Direct Reward Optimization (Richemond et al. 2024, arXiv 2405.19107), as Tinker's loss
+    docs define ``dro`` (tinker-docs.thinkingmachines.ai/tinker/losses/dro):
+    ``-(logp * A - beta/2 * (logp - q)^2)`` per token, ``q`` the sampler's logprob. The
+    docs' example passes ``beta`` 0.05 and do not state a default; 0.05 is taken. As there,
+    every token with a weight counts, so positions whose ``logprobs`` are padding (a prompt's
+    0.0) add ``beta/2 * logp^2`` unless their ``weights`` are 0."""
+    penalty = (logprobs - inputs["old_logprobs"]) ** 2
+    return -(logprobs * inputs["advantages"] - 0.5 * config["beta"] * penalty), {"dro_penalty": penalty.detach()}
+
+
+@register_loss("gspo", inputs=("old_logprobs", "advantages", "sequence_ratio_mask"), options=_THRESHOLDS)
+def gspo(logprobs, inputs, config, entropy):
+    """GSPO-token (Zheng et al. 2025, arXiv 2507.18071), as Tinker's loss docs define ``gspo``
+    (tinker-docs.thinkingmachines.ai/tinker/losses/gspo). Per datum (row),
+    ``s = exp(mean over the tokens M that sequence_ratio_mask marks of sg(logp) - q)``; each
+    token's ratio is ``s_t = s * exp(logp - sg(logp))`` (the value of ``s``, the gradient of
+    its own logprob), then PPO's ``-min(s_t * A, clip(s_t, lo, hi) * A)``. The sequence ratio
+    is a row's own, so rows stay independent however a request is split into passes; a row
+    that marks no token has ``s = 1``."""
+    marked = (inputs["sequence_ratio_mask"] != 0).to(logprobs.dtype)
+    log_ratio = ((logprobs.detach() - inputs["old_logprobs"]) * marked).sum(-1, keepdim=True)
+    log_ratio = log_ratio / marked.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
+    advantages = inputs["advantages"]
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    return -objective, {"clipfrac": (clipped != ratio).to(logprobs.dtype)}
+
+
+@register_loss("stable_reinforce", inputs=("old_logprobs", "advantages"), options={"clip_high_threshold": 2.0})
+def stable_reinforce(logprobs, inputs, config, entropy):
+    """Tinker's ``stable_reinforce`` (cookbook 0.6.1's default RL loss) is "a REINFORCE
+    variant that stays stable even when the sampling policy differs from the policy being
+    trained" (tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce); its objective
+    is not published. This server's is REINFORCE with a truncated importance weight (TIS:
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training"; CISPO's one-sided clip, arXiv 2506.13585): ``-sg(min(r, c)) * logp * A``,
+    ``r = exp(logp - q)``, ``c`` = ``clip_high_threshold`` (2.0, as ``rl_policy``'s
+    ``rollout_is_threshold``). On-policy it is REINFORCE; off-policy the weight corrects
+    towards the learner and is bounded, and the gradient never goes through it. The sampler's
+    ``q`` is the datum's ``logprobs`` input: the provenance spans and sampling-time records
+    Tinker adds are accepted and not used."""
+    if not config["clip_high_threshold"] >= 1:
+        raise ValueError(f"loss 'stable_reinforce': clip_high_threshold must be >= 1, got {config['clip_high_threshold']}")
+    log_ratio = logprobs.detach() - inputs["old_logprobs"]
+    # exp(min(x, log c)) == min(exp(x), c) without overflowing for a very stale token.
+    weight = torch.exp(torch.clamp(log_ratio, max=math.log(config["clip_high_threshold"])))
+    truncated = (log_ratio > math.log(config["clip_high_threshold"])).to(logprobs.dtype)
+    return -weight * logprobs * inputs["advantages"], {"clipfrac": truncated}
 
 
 _RL_POLICY_OPTIONS = {

@@ -17,7 +17,8 @@ import torch
 from opentinker.engine.batch import TokenBatch
 
 #: Tinker's per-token input names -> the backend losses' names.
-INPUT_NAMES = {"weights": "weights", "logprobs": "old_logprobs", "advantages": "advantages"}
+INPUT_NAMES = {"weights": "weights", "logprobs": "old_logprobs", "advantages": "advantages",
+               "sequence_ratio_mask": "sequence_ratio_mask"}
 
 
 #: One datum as the server passes it: the model input's N token ids and the per-token inputs.

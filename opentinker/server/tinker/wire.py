@@ -46,9 +46,13 @@ SUPPORTED_LOSSES: dict[str, tuple[tuple[str, ...], dict[str, float]]] = {
     "importance_sampling": (("logprobs", "advantages"), {}),
     "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "dro": (("logprobs", "advantages"), {"beta": 0.05}),
+    "gspo": (("logprobs", "advantages", "sequence_ratio_mask"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "stable_reinforce": (("logprobs", "advantages"), {"clip_high_threshold": 2.0}),
 }
 #: Per-token inputs a datum may carry, and the dtype each must have.
-INPUT_DTYPES = {"target_tokens": "int64", "weights": "float32", "logprobs": "float32", "advantages": "float32"}
+INPUT_DTYPES = {"target_tokens": "int64", "weights": "float32", "logprobs": "float32", "advantages": "float32",
+                "sequence_ratio_mask": "float32"}
 _PROTO_DTYPES = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtype(np.int64)}
 _DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int32",
                 pb.DTYPE_BFLOAT16: "bfloat16"}
@@ -174,9 +178,9 @@ def decode_forward_backward(message: pb.ForwardBackwardRequest | bytes, context:
     data = []
     for index, raw in enumerate(message.data):
         where = f"data[{index}]"
-        # Provenance spans (model_input_spans / loss_fn_input_spans) are ignored: only the loss
-        # 'stable_reinforce' reads them, and it is refused above. The cookbook's RL loop attaches
-        # them to every datum whose tokens were sampled here, whatever the loss.
+        # Provenance spans (model_input_spans / loss_fn_input_spans) are accepted and not read:
+        # Tinker's 'stable_reinforce' looks sampling-time records up by them; this server's
+        # takes the sampler's logprobs from the datum (engine/backend/losses.py).
         tokens = _tokens(raw, where, context)
         inputs = {}
         for name, tensor in raw.loss_fn_inputs.items():
@@ -215,6 +219,10 @@ def loss_config(message: pb.ForwardBackwardRequest, loss: str, options: Mapping[
     if "clip_low_threshold" in config and not 0 <= config["clip_low_threshold"] <= 1 <= config["clip_high_threshold"]:
         raise WireError("loss_fn_config: expected 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
                         f"{config['clip_low_threshold']} and {config['clip_high_threshold']}")
+    if "clip_high_threshold" in config and not config["clip_high_threshold"] >= 1:
+        raise WireError(f"loss_fn_config: expected clip_high_threshold >= 1, got {config['clip_high_threshold']}")
+    if "beta" in config and not config["beta"] >= 0:
+        raise WireError(f"loss_fn_config: expected beta >= 0, got {config['beta']}")
     return config
 
 

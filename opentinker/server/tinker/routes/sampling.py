@@ -67,9 +67,9 @@ def _refuse_sample_options(body: schemas.SampleRequest) -> None:
         "topk_sample_logprobs": body.topk_sample_logprobs > 0,
         "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
         "target_prompt_logprobs": body.target_prompt_logprobs is not None,
-        "record_stability_info (for loss 'stable_reinforce', which this server does not support; use loss_fn="
-        "importance_sampling, ppo or cispo)": body.record_stability_info,
     }
+    # record_stability_info is accepted: the SDK only needs each sequence's id (the future's
+    # sample_sequence_ids, always sent), and this server's 'stable_reinforce' records nothing.
     named = [name for name, asked in refused.items() if asked]
     if named:
         raise user_error(f"asample: not supported by this server: {', '.join(named)}")
