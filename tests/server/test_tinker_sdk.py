@@ -370,9 +370,9 @@ def test_futures_and_checkpoints_survive_a_restart(tmp_path, start_server, keys,
 
 
 def test_every_tinker_route_but_health_needs_a_key(server, keys):
-    from opentinker.server.tinker.routes import router
+    from opentinker.server.tinker.routes import api_routes
 
-    routes = [(method, route.path) for route in router.routes for method in route.methods]
+    routes = [(method, route.path) for route in api_routes() for method in route.methods]
     assert len(routes) > 30
     with httpx.Client(base_url=server.url, timeout=30, trust_env=False) as raw:
         for method, path in routes:

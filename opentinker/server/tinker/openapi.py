@@ -49,10 +49,13 @@ FUTURE_RESULT = {200: {"description": "the result (JSON, or protobuf for samples
 
 
 def document(routes: Iterable[Any], version: str) -> dict[str, Any]:
-    """The OpenAPI document of ``routes`` (the router's; they are hidden from the main one)."""
+    """The OpenAPI document of ``routes`` (``routes.api_routes()``: plain ``APIRoute``s, which
+    every FastAPI version's ``get_openapi`` reads; they are hidden from the main document)."""
     shown = []
     for route in routes:
-        if isinstance(route, APIRoute) and not getattr(route.endpoint, "undocumented", False):
+        if not isinstance(route, APIRoute):  # never dropped silently: the document would miss it
+            raise TypeError(f"the Tinker OpenAPI document is made of APIRoutes, got {route!r}")
+        if not getattr(route.endpoint, "undocumented", False):
             route = copy.copy(route)
             route.include_in_schema = True
             shown.append(route)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.routing import BaseRoute
 
 import opentinker
 from opentinker.server.tinker import openapi
@@ -28,14 +29,26 @@ _document = tinker_router()
 async def openapi_document(request: Request) -> JSONResponse:
     """This API's OpenAPI document (public, like /openapi.json)."""
     if getattr(request.app.state, "tinker_openapi", None) is None:
-        request.app.state.tinker_openapi = openapi.document(router.routes, opentinker.__version__)
+        request.app.state.tinker_openapi = openapi.document(api_routes(), opentinker.__version__)
     return JSONResponse(request.app.state.tinker_openapi)
 
 
 openapi_document.undocumented = True
 
 # In the order the routes were declared in one module before (unsupported last).
-for _part in (_document, sessions, training, sampling, futures, runs, unsupported):
-    router.include_router(getattr(_part, "router", _part))
+_PARTS = (_document, sessions.router, training.router, sampling.router, futures.router, runs.router,
+          unsupported.router)
+for _part in _PARTS:
+    router.include_router(_part)
 
-__all__ = ["PREFIX", "router"]
+
+def api_routes() -> list[BaseRoute]:
+    """Every Tinker route, each with its full path, in order.
+
+    Read from each resource's own router, whose routes are plain ``APIRoute``s in every
+    FastAPI version; ``router.routes`` is not: FastAPI 0.165 keeps the included routers there
+    (objects without ``path`` or ``methods``), so a document made from it has no operations."""
+    return [route for part in _PARTS for route in part.routes]
+
+
+__all__ = ["PREFIX", "api_routes", "router"]
