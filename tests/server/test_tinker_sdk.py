@@ -134,6 +134,63 @@ def test_rl_losses_equal_hand_computed_sums(session):
     assert np.abs(logprobs_of(tc, datum()) - current).max() > 1e-4
 
 
+def test_dro_gspo_and_stable_reinforce_as_the_cookbook_sends_them(session):
+    """The losses SDK 0.36 added, each against its sum by hand (forward only), then one step
+    each; stable_reinforce on a sample drawn with record_stability_info and a datum with the
+    provenance spans the cookbook's rl_loop attaches."""
+    tc = session().lora()
+    current = logprobs_of(tc, datum())
+    n = len(current)
+    prompt_len = 4  # the first 3 positions are "prompt": logprobs and advantages 0, as the cookbook pads
+    advantages = [0.0] * (prompt_len - 1) + [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(n - prompt_len + 1)]
+    a = np.asarray(advantages)
+    rng = np.random.default_rng(1)
+    q = np.where(a != 0, current + 0.4 * rng.standard_normal(n), 0.0)
+    marked = (a != 0).astype(np.float32)
+    rl = dict(logprobs=q.astype(np.float32).tolist(), advantages=advantages)
+    cases = {
+        "dro": (datum(**rl), {"beta": 0.2}),
+        "gspo": (datum(**rl, sequence_ratio_mask=marked.tolist()), None),
+        "stable_reinforce": (datum(**rl), None),
+    }
+    q = np.asarray(rl["logprobs"], dtype=np.float64)  # what the server got (float32)
+    ratio = np.exp(current - q)
+    s = np.exp(((current - q) * marked).sum() / marked.sum())
+    expected = {
+        "dro": -(current * a - 0.1 * (current - q) ** 2).sum(),  # beta 0.2: the prompt's logp^2 counts too
+        "gspo": -np.minimum(s * a, np.clip(s, 0.8, 1.2) * a).sum(),
+        "stable_reinforce": -(np.minimum(ratio, 2.0) * current * a).sum(),
+    }
+    for loss, (d, config) in cases.items():
+        out = tc.forward([d], loss, loss_fn_config=config).result()
+        assert out.metrics["loss:sum"] == pytest.approx(expected[loss], rel=1e-4), loss
+        np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].tolist(), current, atol=1e-5)
+    with pytest.raises(Exception, match="'gspo' needs loss_fn_inputs 'sequence_ratio_mask'"):
+        tc.forward_backward([datum(**rl)], "gspo").result()
+    for loss, (d, config) in cases.items():
+        tc.forward_backward([d], loss, loss_fn_config=config).result()
+        tc.optim_step(adam(1e-2)).result()
+    assert np.abs(logprobs_of(tc, datum()) - current).max() > 1e-4
+
+    # As the cookbook's RL loop does it: sample with record_stability_info, then name the
+    # sequence behind every position in the datum's provenance.
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    (seq,) = sampler.sample(prompt=types.ModelInput.from_ints(TOKENS[:prompt_len]), num_samples=1,
+                            sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=2)).result().sequences
+    assert seq.sequence_id and len(seq.tokens) == len(seq.logprobs) > 0
+    ob, k = prompt_len - 1, len(seq.tokens)
+    sampled = datum(TOKENS[:prompt_len] + list(seq.tokens), logprobs=[0.0] * ob + list(seq.logprobs),
+                    advantages=[0.0] * ob + [1.0] * k).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=prompt_len),
+                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=k - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=ob),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=k)])
+    out = tc.forward_backward([sampled], "stable_reinforce").result()
+    # On-policy (the sampler has these weights): weight 1 on every sampled token, loss -sum(logp).
+    assert out.metrics["loss:sum"] == pytest.approx(-sum(seq.logprobs), rel=1e-3)
+    tc.optim_step(adam()).result()
+
+
 def test_save_state_then_load_with_optimizer_continues_exactly(session):
     s = session()
     tc = s.lora(seed=1)
@@ -220,7 +277,7 @@ def test_bad_input_is_a_user_error_and_the_model_keeps_working(server, keys, ses
         s.client.create_lora_training_client(base_model="no-such-model", rank=4).result()
     tc = s.lora()
     with pytest.raises(Exception, match="not supported.*cross_entropy"):
-        tc.forward_backward([datum()], "dro").result()
+        tc.forward_backward([datum()], "custom").result()
     with pytest.raises(Exception, match="needs loss_fn_inputs 'logprobs', 'advantages'"):
         tc.forward_backward([datum()], "importance_sampling").result()
     with pytest.raises(Exception, match="past the model's vocabulary"):
