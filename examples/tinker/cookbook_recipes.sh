@@ -22,7 +22,8 @@
 # Settings (environment):
 #   VENV=.venv  OUT_DIR=<new temp dir>  PORT=<a free one>  RECIPES="sl rl"
 #   SL_ARGS="..."   more chz overrides for sl_conversations.py (e.g. learning_rate=3e-4)
-#   RL_LOSS=importance_sampling (or ppo, cispo)   RL_RENDERER=qwen3_instruct
+#   RL_LOSS=importance_sampling (or ppo, cispo, dro, stable_reinforce: math_rl's own default)
+#   RL_RENDERER=qwen3_instruct
 #   RL_ARGS="..."   more math_rl.train overrides (e.g. max_steps=80 learning_rate=5e-4)
 set -euo pipefail
 
