@@ -489,13 +489,18 @@ def _type_ok(expected: Any, value: Any) -> bool:
 
 
 def _check_type(key: str, default: Any, value: Any) -> None:
-    if value is None:
-        return
     expected = TYPES.get(key) or (type(default) if default is not None else None)
-    if expected is None:
-        return
     if expected is ListConfig:
         expected = list
+    if value is None:
+        # null is a value only where it is the default (and so means something); elsewhere it
+        # would reach the trainer as a number or name that is not there.
+        if default is None:
+            return
+        raise ConfigError(f"config key '{key}' expects {expected.__name__}, got null (only keys whose default "
+                          f"is null accept null; leave the key out for its default, {default!r})")
+    if expected is None:
+        return
     if not _type_ok(expected, value):
         raise ConfigError(f"config key '{key}' expects {expected.__name__}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
