@@ -121,6 +121,7 @@ def custom_loss(data, logprobs_list):  # a client-side loss for forward_backward
 N = len(TOKENS) - 1
 SFT = datum(weights=[1.0] * N)
 RL = datum(logprobs=[-7.0] * N, advantages=[(-1.0) ** i for i in range(N)])  # what the RL losses read
+GSPO = datum(logprobs=[-7.0] * N, advantages=[(-1.0) ** i for i in range(N)], sequence_ratio_mask=[1.0] * N)
 RANKS = {"logprobs": 1, "weights": 1}
 ADAM = types.AdamParams(learning_rate=1e-3)
 TODAY = dt.date.today()
@@ -256,7 +257,7 @@ CASES: dict[str, Case] = {
     "TrainingClient.forward_backward[ppo]": fb("ppo", clip_low_threshold=0.8, clip_high_threshold=1.2),
     "TrainingClient.forward_backward[cispo]": fb("cispo"),
     "TrainingClient.forward_backward[dro]": fb("dro", beta=0.05),
-    "TrainingClient.forward_backward[gspo]": fb("gspo"),
+    "TrainingClient.forward_backward[gspo]": fb("gspo", GSPO),
     "TrainingClient.forward_backward[stable_reinforce]": fb("stable_reinforce"),
     "TrainingClient.forward_backward_custom": Case("training", [SFT], custom_loss, note=fb_note),
     "TrainingClient.forward_backward_custom[LossHandle]": Case(
@@ -271,6 +272,8 @@ CASES: dict[str, Case] = {
     "TrainingClient.save_state": Case("training", named("state"), note=path_of),
     "TrainingClient.save_weights_and_get_sampling_client": Case("training", named("snap"), note=sampler_note),
     "TrainingClient.save_weights_and_get_sampling_client[ephemeral]": Case("training", note=sampler_note),
+    "TrainingClient.save_weights_and_get_sampling_client[record_stability_info]": Case(
+        "training", record_stability_info=True, note=sampler_note),
     "TrainingClient.save_weights_external": Case("training", named("external")),
     "TrainingClient.save_weights_for_sampler": Case("training", named("sampler"), note=path_of),
     "SamplingClient.compute_logprobs": Case("sampling", prompt(8), note=lambda lp: f"{len(lp)} logprobs, first None"),
