@@ -26,7 +26,7 @@ from opentinker.server.auth import FailedAuthLimiter
 from opentinker.server.errors import install_error_handlers
 from opentinker.server.event_bus import EventBus
 from opentinker.server.jobs import JobManager
-from opentinker.server.middleware import BodySizeLimit
+from opentinker.server.middleware import BodyLimits
 from opentinker.server.model_serving import ModelServing
 from opentinker.server.request_body import add_body_schemas
 from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, steps
@@ -108,5 +108,5 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(tinker_routes.router)  # the Tinker API, under /api/v1
     app.include_router(dashboard.router)  # the web dashboard at / and its login, /v1/session
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes)  # and JSON nesting (400), for every route
     return app

@@ -105,8 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == _FASTAPI_BODY_PARSE_ERROR:
-            # FastAPI's answer when json.loads raises something other than a decode error:
-            # in practice a body nested thousands of levels deep (RecursionError).
+            # FastAPI's answer when json.loads raises something other than a decode error (a
+            # body that is not UTF-8; nesting too deep to parse is refused before: middleware.py).
             return error_response(422, "request body: not valid JSON, or nested too deeply to parse")
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         detail = None if isinstance(exc.detail, str) else exc.detail

@@ -3,9 +3,9 @@
 FastAPI reads, decodes and validates a body on the event loop before the route runs: for a
 26 MiB dataset of small rows that is seconds in which no other request is answered.
 :func:`read_model` streams the body into a spooled temporary file instead (the
-``BodySizeLimit`` middleware counts its bytes as they arrive and answers 413 past the
-limit), then decodes (:func:`large_json.loads`) and validates it in a worker thread, with
-the 422s FastAPI would give. Such a route declares its body for the OpenAPI document with
+``BodyLimits`` middleware counts its bytes and nesting as they arrive: 413 past the limit,
+400 past 32 levels), then decodes (:func:`large_json.loads`) and validates it in a worker
+thread, with the 422s FastAPI would give. Such a route declares its body for the OpenAPI document with
 :func:`documented_body`; :func:`add_body_schemas` puts those models among the document's
 component schemas (FastAPI no longer sees them).
 """

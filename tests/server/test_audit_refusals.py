@@ -50,3 +50,58 @@ def test_keys_whose_default_is_null_still_accept_null(alice, helpers):
     answer = alice.post("/v1/jobs", json={"name": "null defaults", "config": config})
     assert answer.status_code == 201, answer.text
     helpers.wait_status(alice, answer.json()["job_id"], "completed")
+
+
+# Deep JSON -----------------------------------------------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000  # json.loads raises RecursionError on it
+JSON = {"Content-Type": "application/json"}
+
+
+def _tinker(server, key: str) -> httpx.Client:
+    return httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": f"tml-{key}"}, timeout=30,
+                        trust_env=False)
+
+
+def _too_deep(answer: httpx.Response) -> None:
+    assert answer.status_code == 400, answer.text
+    assert answer.json() == {"error": "request body: arrays and objects nested deeper than 32 levels; this server "
+                                      "accepts at most 32", "detail": {"max_depth": 32}}
+
+
+def test_deep_json_to_an_unsupported_tinker_route_is_a_400(server, keys):
+    not_offered = "copying checkpoints between runs is not offered"
+    with _tinker(server, keys["alice"]) as raw:
+        # The audit's request (a 500 RecursionError before).
+        _too_deep(raw.post("/copy_weights", content=f'{{"model_id": {DEEP}}}', headers=JSON))
+        _too_deep(raw.put("/sessions/s/project", content=DEEP, headers=JSON))
+        _too_deep(raw.post("/copy_weights", content=DEEP))  # no Content-Type: still JSON to the route
+        # Streamed (no Content-Length): counted as it arrives.
+        _too_deep(raw.post("/copy_weights", content=iter([b'{"model_id": ', DEEP.encode()[:7000], DEEP.encode()[7000:],
+                                                          b"}"]), headers=JSON))
+        # Protobuf bodies are not counted (forward_backward's are binary); the route decodes
+        # this one as JSON all the same, and answers its own 400.
+        answer = raw.post("/copy_weights", content=DEEP, headers={"Content-Type": "application/x-protobuf"})
+        assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
+        # 32 levels are accepted, 33 are not; brackets inside a string do not count.
+        answer = raw.post("/copy_weights", content='{"model_id": ' + "[" * 31 + "]" * 31 + "}", headers=JSON)
+        assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
+        _too_deep(raw.post("/copy_weights", content='{"model_id": ' + "[" * 32 + "]" * 32 + "}", headers=JSON))
+        answer = raw.post("/copy_weights", json={"model_id": "[{" * 5000 + '\\"'})
+        assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
+
+
+def test_deep_json_is_a_400_on_the_servers_own_routes_and_the_tinker_json_routes(server, keys, alice):
+    before = _job_count(alice)
+    _too_deep(alice.post("/v1/jobs", content=f'{{"name": "deep", "config": {{"x": {DEEP}}}}}', headers=JSON))
+    _too_deep(alice.post("/v1/env/check", content=f'{{"interactions": {DEEP}}}', headers=JSON))
+    _too_deep(alice.post("/v1/chat/completions", content=f'{{"model": "m", "messages": {DEEP}}}', headers=JSON))
+    assert _job_count(alice) == before
+    with _tinker(server, keys["alice"]) as raw:
+        _too_deep(raw.post("/create_session", content=f'{{"tags": {DEEP}, "sdk_version": "raw"}}', headers=JSON))
+        _too_deep(raw.post("/optim_step", content=f'{{"model_id": "m", "seq_id": 1, "adam_params": {DEEP}}}',
+                           headers=JSON))
+    with httpx.Client(base_url=server.url, timeout=30, trust_env=False) as anonymous:  # the dashboard's login
+        _too_deep(anonymous.post("/v1/session", content=f'{{"api_key": {DEEP}}}',
+                                 headers={**JSON, "X-OpenTinker-Dashboard": "1"}))
+

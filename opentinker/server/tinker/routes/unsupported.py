@@ -47,7 +47,7 @@ def _unsupported(name: str, reason: str):
         try:  # a training client's refused request still used its seq_id: release it
             body = await request.json()
             refuse_seq(svc, body.get("model_id"), body.get("seq_id"), user)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # the middleware counts only JSON bodies' nesting
             pass
         raise user_error(f"{request.method} {request.url.path}: {reason}")
 
