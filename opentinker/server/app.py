@@ -29,6 +29,7 @@ from opentinker.server.jobs import JobManager
 from opentinker.server.middleware import BodyLimits
 from opentinker.server.model_serving import ModelServing
 from opentinker.server.request_body import add_body_schemas
+from opentinker.server.revocation import CredentialWatch
 from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, steps
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
@@ -69,6 +70,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         manager = JobManager(store, settings, runner_cls=runner_cls)
         manager.start()
         app.state.store = store
+        app.state.credential_watch = CredentialWatch(store)  # ends streams and long polls of revoked keys
         app.state.manager = manager
         app.state.serving = ModelServing(store, manager, settings)
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
@@ -86,6 +88,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
             await app.state.tinker.shutdown()
             await app.state.serving.shutdown()
             await manager.shutdown()
+            await app.state.credential_watch.close()
             store.close()
 
     app = FastAPI(

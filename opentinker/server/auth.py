@@ -21,10 +21,17 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from opentinker.server.errors import ApiError
+from opentinker.server.revocation import note_credential
 from opentinker.server.store import Store, User
 
 KEY_PREFIX = "ot-"
 DISPLAY_PREFIX_CHARS = 8
+# The usual cause of a key that never worked: it was made in another data folder than the
+# running server's (the admin commands and `serve` each default to $OPENTINKER_DATA_DIR, else
+# ~/.opentinker-server). The folder itself is the operator's business, so it is not named.
+INVALID_KEY = ("invalid or revoked API key (a key works on the server whose data folder it was made in: "
+               "'opentinker-server admin create-key' and 'serve' must be given the same --data-dir or "
+               "OPENTINKER_DATA_DIR)")
 
 log = logging.getLogger("opentinker.server.auth")
 
@@ -159,8 +166,11 @@ async def current_user(request: Request, credentials: HTTPAuthorizationCredentia
             raise _unauthorized("the dashboard session has ended (expired, logged out or its API key revoked); "
                                 "log in again")
         check_dashboard_header(request)
+        note_credential(request, "session", hash_key(token))
         return session.user
-    user = authenticate(request.app.state.store, credentials.credentials.strip())
+    key = credentials.credentials.strip()
+    user = authenticate(request.app.state.store, key)
     if user is None:
-        raise refuse_key(request, _unauthorized("invalid or revoked API key"))
+        raise refuse_key(request, _unauthorized(INVALID_KEY))
+    note_credential(request, "key", hash_key(key))
     return user

@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -382,6 +382,25 @@ class Store:
         r = rows[0]
         return DashboardSession(user=User(id=r["id"], name=r["name"], created_at=r["user_created_at"]),
                                 key_prefix=r["prefix"], created_at=r["created_at"], expires_at=r["expires_at"])
+
+    def ended_credentials(self, key_hashes: Sequence[str], token_hashes: Sequence[str]) -> tuple[set[str], set[str]]:
+        """Of ``key_hashes`` those whose key is revoked (or unknown), and of ``token_hashes``
+        those whose dashboard session has ended (logged out, expired, its key revoked)."""
+        live_keys: set[str] = set()
+        live_sessions: set[str] = set()
+        now = time.time()
+        for start in range(0, len(key_hashes), 500):  # SQLite's limit on parameters is 999 in old builds
+            chunk = list(key_hashes[start:start + 500])
+            rows = self._query(f"SELECT key_hash FROM api_keys WHERE revoked = 0 AND key_hash IN "
+                               f"({', '.join('?' * len(chunk))})", chunk)
+            live_keys.update(row["key_hash"] for row in rows)
+        for start in range(0, len(token_hashes), 500):
+            chunk = list(token_hashes[start:start + 500])
+            rows = self._query(f"SELECT s.token_hash FROM dashboard_sessions s JOIN api_keys k ON k.id = s.api_key_id "
+                               f"WHERE s.expires_at > ? AND k.revoked = 0 AND s.token_hash IN "
+                               f"({', '.join('?' * len(chunk))})", [now, *chunk])
+            live_sessions.update(row["token_hash"] for row in rows)
+        return set(key_hashes) - live_keys, set(token_hashes) - live_sessions
 
     def delete_session(self, token_hash: str) -> bool:
         with self._transaction() as conn:

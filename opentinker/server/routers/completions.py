@@ -23,6 +23,7 @@ from opentinker.protocol import MAX_JSON_INT
 from opentinker.server.auth import current_user
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
 from opentinker.server.model_serving import ModelServing
+from opentinker.server.revocation import stream_until_revoked
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import User
 
@@ -178,7 +179,7 @@ class _Answer:
         return {**self._envelope(True), "choices": [], "usage": self.usage}
 
 
-async def _answer(body: _Request, serve_request: dict[str, Any], chat: bool, user: User,
+async def _answer(http_request: Request, body: _Request, serve_request: dict[str, Any], chat: bool, user: User,
                   serving: ModelServing, settings: ServerSettings):
     weights = serving.resolve(user, body.model)
     request = {**serve_request, **body.serve_request(settings)}
@@ -209,25 +210,27 @@ async def _answer(body: _Request, serve_request: dict[str, Any], chat: bool, use
             yield {"data": json.dumps(answer.usage_chunk())}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(chunks(), ping=settings.keepalive_s)
+    return EventSourceResponse(stream_until_revoked(http_request, chunks()), ping=settings.keepalive_s)
 
 
 @router.post("/chat/completions", summary="A chat completion from a job's weights (OpenAI's API)")
 async def chat_completions(
+    http_request: Request,
     body: ChatCompletionRequest,
     user: User = Depends(current_user),
     serving: ModelServing = Depends(_serving),
     settings: ServerSettings = Depends(_settings),
 ):
     messages = [m.as_template_message() for m in body.messages]
-    return await _answer(body, {"messages": messages}, True, user, serving, settings)
+    return await _answer(http_request, body, {"messages": messages}, True, user, serving, settings)
 
 
 @router.post("/completions", summary="A text completion from a job's weights (OpenAI's API)")
 async def completions(
+    http_request: Request,
     body: CompletionRequest,
     user: User = Depends(current_user),
     serving: ModelServing = Depends(_serving),
     settings: ServerSettings = Depends(_settings),
 ):
-    return await _answer(body, {"prompt": body.prompt}, False, user, serving, settings)
+    return await _answer(http_request, body, {"prompt": body.prompt}, False, user, serving, settings)

@@ -6,6 +6,7 @@ reconnecting SSE client sends) or ``?after=N``, sends what is stored, then waits
 to announce new events (``EventBus``; no polling), and ends once the job's final status event
 has been sent, so ``for event in stream`` terminates by itself. A ``: keep-alive`` comment goes
 out every ``keepalive_s`` seconds (sse-starlette's ping) so that proxies keep idle streams open.
+A stream also ends within seconds of its API key being revoked (:mod:`..revocation`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from opentinker.server.auth import current_user
 from opentinker.server.deps import get_settings, get_store, owned_job
 from opentinker.server.errors import AUTHENTICATED_ERRORS, error_responses
 from opentinker.server.event_bus import EventBus
+from opentinker.server.revocation import stream_until_revoked
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
 
@@ -92,7 +94,8 @@ async def job_events(
         events = store.list_events(job.job_id, after=after, limit=limit)
         return JSONResponse({"events": [event.model_dump(mode="json") for event in events]})
     return EventSourceResponse(
-        event_stream(store, request.app.state.event_bus, job.job_id, after, settings.keepalive_s),
+        stream_until_revoked(request, event_stream(store, request.app.state.event_bus, job.job_id, after,
+                                                   settings.keepalive_s)),
         headers={"Cache-Control": "no-cache"},
         ping=settings.keepalive_s,
         ping_message_factory=keep_alive,

@@ -11,8 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import APIKeyHeader
 
-from opentinker.server.auth import authenticate, refuse_key
+from opentinker.server.auth import INVALID_KEY, authenticate, hash_key, refuse_key
 from opentinker.server.errors import ApiError, not_found
+from opentinker.server.revocation import note_credential
 from opentinker.server.store import User
 from opentinker.server.tinker import openapi
 from opentinker.server.tinker.openapi import errors
@@ -42,9 +43,11 @@ async def tinker_user(request: Request, header: str | None = Depends(_api_key)) 
     if not key:
         raise ApiError(401, "missing API key: send 'X-API-Key: tml-<key>' (the tinker SDK: api_key= or "
                             "TINKER_API_KEY)")
-    user = authenticate(request.app.state.store, key.removeprefix(SDK_KEY_PREFIX))
+    key = key.removeprefix(SDK_KEY_PREFIX)
+    user = authenticate(request.app.state.store, key)
     if user is None:
-        raise refuse_key(request, ApiError(401, "invalid or revoked API key"))
+        raise refuse_key(request, ApiError(401, INVALID_KEY))
+    note_credential(request, "key", hash_key(key))
     return user
 
 
