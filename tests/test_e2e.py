@@ -161,3 +161,20 @@ def test_models_lists_what_jobs_may_train(client, server, capsys, monkeypatch):
     monkeypatch.setenv("OPENTINKER_API_KEY", server[1])
     assert main(["models"]) == 0
     assert capsys.readouterr().out.split() == ["MODEL", "opentinker-tiny-arith", "default"]
+
+
+def test_serve_reads_no_proxy_headers_by_default(server):
+    """`opentinker-server serve` as it starts by default: a local caller rotating spoofed
+    X-Forwarded-For addresses still meets the failed-key limit (20 a minute), while the right
+    key is accepted (uvicorn's own default would trust the header from 127.0.0.1)."""
+    import httpx
+
+    url, key = server
+    wrong = "ot-" + "w" * 43
+    with httpx.Client(base_url=url, transport=httpx.HTTPTransport(local_address="127.0.0.1"), timeout=30,
+                      trust_env=False) as raw:
+        statuses = [raw.get("/v1/jobs", headers={"Authorization": f"Bearer {wrong}",
+                                                 "X-Forwarded-For": f"203.0.113.{i}"}).status_code
+                    for i in range(25)]
+        assert statuses == [401] * 20 + [429] * 5
+        assert raw.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     quotas.add_argument("--auth-failures-per-minute", type=int, default=20, metavar="N",
                         help="wrong API keys one client address may send in a minute; past it they are answered "
                              "429 with Retry-After (a right key is still accepted); 0: no limit (default: %(default)s)")
+    quotas.add_argument("--trusted-proxy", action="append", default=[], metavar="ADDR",
+                        help="a reverse proxy in front of this server (IP address or network, repeatable): its "
+                             "X-Forwarded-For names the client (the address the limit above counts); without "
+                             "one, proxy headers are ignored")
     tinker = serve.add_argument_group("the Tinker API (/api/v1)")
     tinker.add_argument("--tinker-strategy", choices=["local", "fsdp"], default="local",
                         help="backend of each training client's model (default: %(default)s)")
@@ -280,6 +284,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_rows_per_step=args.max_rows_per_step,
             max_queued_steps=args.max_queued_steps,
             auth_failures_per_minute=args.auth_failures_per_minute,
+            trusted_proxies=args.trusted_proxy,
             tinker_strategy=args.tinker_strategy,
             tinker_ranks=args.tinker_ranks,
             tinker_max_models_per_user=args.tinker_max_models_per_user,
@@ -307,7 +312,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     # Event streams stay open for a job's whole life: give them a few seconds at shutdown,
     # not forever, so the lifespan (kill the actors, close the store) always runs.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                **settings.proxy_options())
     return 0
 
 

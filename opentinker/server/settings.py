@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from opentinker.config import check_limits
 from opentinker.environments.endpoints import EndpointPolicy
 from opentinker.server.policy import JobPolicy, parse_served_models
+
+
+def _proxy_address(item: str) -> str:
+    """``item`` (an IP address or network) as uvicorn matches it; ValueError naming the flag."""
+    text = str(item).strip()
+    try:
+        return str(ipaddress.ip_address(text)) if "/" not in text else str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise ValueError(f"trusted_proxies (--trusted-proxy): {item!r} is not an IP address or network "
+                         "(e.g. 10.0.0.5 or 10.0.0.0/24)") from None
 
 
 def default_data_dir() -> Path:
@@ -61,6 +73,10 @@ class ServerSettings:
     # Wrong API keys one client address may send in a minute before they are answered 429
     # instead of 401 (a right key is still accepted: auth.FailedAuthLimiter); 0: no limit.
     auth_failures_per_minute: int = 20
+    # Reverse proxies (IP addresses or networks) whose X-Forwarded-For names the client: the
+    # address the limiter above counts and the logs show. Empty: proxy headers are ignored
+    # (uvicorn's own default trusts 127.0.0.1, so any local caller could pick its address).
+    trusted_proxies: list[str] = field(default_factory=list)
     # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
     tinker_ranks: int = 1  # FSDP ranks per shared LoRA base / fully fine-tuned model (tinker_strategy=fsdp)
@@ -102,6 +118,7 @@ class ServerSettings:
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.trusted_proxies = [_proxy_address(item) for item in self.trusted_proxies]
         if self.serve_device not in ("cpu", "cuda"):
             raise ValueError(f"serve_device must be 'cpu' or 'cuda', got {self.serve_device!r}")
         if self.tinker_strategy not in ("local", "fsdp"):
@@ -133,6 +150,14 @@ class ServerSettings:
         unknown_loggers = set(self.loggers) - {"console", "wandb"}
         if unknown_loggers:
             raise ValueError(f"unknown loggers {sorted(unknown_loggers)} (known: console, wandb)")
+
+    def proxy_options(self) -> dict[str, Any]:
+        """uvicorn's proxy settings (``uvicorn.run``/``Config`` keywords): X-Forwarded-For and
+        X-Forwarded-Proto are read only from ``trusted_proxies``, and not at all without one
+        (so neither uvicorn's default nor ``$FORWARDED_ALLOW_IPS`` applies)."""
+        if not self.trusted_proxies:
+            return {"proxy_headers": False}
+        return {"proxy_headers": True, "forwarded_allow_ips": list(self.trusted_proxies)}
 
     @property
     def db_path(self) -> Path:

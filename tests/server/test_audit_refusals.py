@@ -105,3 +105,45 @@ def test_deep_json_is_a_400_on_the_servers_own_routes_and_the_tinker_json_routes
         _too_deep(anonymous.post("/v1/session", content=f'{{"api_key": {DEEP}}}',
                                  headers={**JSON, "X-OpenTinker-Dashboard": "1"}))
 
+
+# Proxy headers -------------------------------------------------------------------------
+
+WRONG = "ot-" + "w" * 43
+
+
+def _wrong_keys(url: str, count: int, forwarded_for) -> list[int]:
+    """Statuses of ``count`` wrong keys sent from 127.0.0.1 (uvicorn's default trusted proxy),
+    the i-th with ``X-Forwarded-For: forwarded_for(i)``, on both APIs in turn."""
+    transport = httpx.HTTPTransport(local_address="127.0.0.1")
+    with httpx.Client(base_url=url, transport=transport, timeout=30, trust_env=False) as client:
+        return [client.get("/v1/jobs" if i % 2 else "/api/v1/sessions",
+                           headers={"Authorization": f"Bearer {WRONG}", "X-API-Key": f"tml-{WRONG}",
+                                    "X-Forwarded-For": forwarded_for(i)}).status_code
+                for i in range(count)]
+
+
+def test_a_spoofed_forwarded_for_does_not_reset_the_failed_key_limit(start_server, tmp_path):
+    limit = 20  # ServerSettings' default; otherwise the default settings (no --trusted-proxy)
+    live = start_server(tmp_path, auth_failures_per_minute=limit)
+    statuses = _wrong_keys(live.url, limit + 5, lambda i: f"203.0.113.{i}")  # a new address each time
+    assert statuses == [401] * limit + [429] * 5
+    assert len(live.app.state.auth_limiter) == 1  # one address counted: 127.0.0.1, where they came from
+
+
+def test_a_trusted_proxy_names_the_client(start_server, tmp_path):
+    live = start_server(tmp_path, auth_failures_per_minute=20, trusted_proxies=["127.0.0.0/8"])
+    # Each client the proxy names is counted on its own...
+    assert _wrong_keys(live.url, 25, lambda i: f"203.0.113.{i}") == [401] * 25
+    # ...and one client past the limit is refused whatever proxy it comes through.
+    assert _wrong_keys(live.url, 25, lambda i: "198.51.100.7") == [401] * 20 + [429] * 5
+
+
+def test_trusted_proxy_is_a_serve_flag_checked_at_startup(tmp_path, capsys):
+    from opentinker.server.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--trusted-proxy", "10.0.0.5", "--trusted-proxy", "10.1.0.0/16"])
+    assert args.trusted_proxy == ["10.0.0.5", "10.1.0.0/16"]
+    assert build_parser().parse_args(["serve"]).trusted_proxy == []
+    assert main(["serve", "--data-dir", str(tmp_path), "--trusted-proxy", "proxy.local"]) == 2
+    error = capsys.readouterr().err
+    assert "--trusted-proxy" in error and "'proxy.local' is not an IP address or network" in error

@@ -84,12 +84,11 @@ def test_log_in_sets_a_strict_http_only_cookie_whose_hash_alone_is_stored(server
         assert {"httponly", "samesite", "path", "max-age"} <= attributes
         assert "samesite=strict" in header.lower() and "path=/" in header.lower()
         assert f"max-age={12 * 3600}" in header.lower()
-        assert "secure" not in attributes  # plain http here; https adds it:
-        # (uvicorn trusts X-Forwarded-Proto from 127.0.0.1, as from a TLS proxy on the same host)
+        assert "secure" not in attributes  # plain http here, and no proxy is trusted (--trusted-proxy):
         with server.client() as other:
-            over_https = other.post("/v1/session", json={"api_key": keys["alice"]},
-                                    headers={**HEADER, "X-Forwarded-Proto": "https"})
-        assert "secure" in {part.strip().lower() for part in over_https.headers["set-cookie"].split(";")}
+            claimed = other.post("/v1/session", json={"api_key": keys["alice"]},
+                                 headers={**HEADER, "X-Forwarded-Proto": "https"})
+        assert "secure" not in {part.strip().lower() for part in claimed.headers["set-cookie"].split(";")}
         session = client.get("/v1/session")
         assert session.status_code == 200 and session.json()["user"] == "alice"
         assert session.json()["key_prefix"] == keys["alice"][:8] and session.json()["expires_at"] > time.time()
@@ -97,6 +96,16 @@ def test_log_in_sets_a_strict_http_only_cookie_whose_hash_alone_is_stored(server
     with sqlite3.connect(data_dir / "opentinker.db") as db:
         stored = {row[0] for row in db.execute("SELECT token_hash FROM dashboard_sessions")}
     assert hashlib.sha256(token.encode()).hexdigest() in stored and token not in stored
+
+
+def test_the_cookie_is_secure_over_https_through_a_trusted_tls_proxy(start_server, tmp_path, helpers):
+    """A TLS proxy on the same host (``--trusted-proxy 127.0.0.1``) says the page came over https."""
+    live = start_server(tmp_path, trusted_proxies=["127.0.0.1"])
+    key = helpers.make_user(tmp_path, "tls")
+    with live.client() as client:
+        over_https = client.post("/v1/session", json={"api_key": key}, headers={**HEADER, "X-Forwarded-Proto": "https"})
+    assert over_https.status_code == 204, over_https.text
+    assert "secure" in {part.strip().lower() for part in over_https.headers["set-cookie"].split(";")}
 
 
 def test_the_cookie_alone_shows_the_users_own_jobs_only(server, keys, alice, bob, helpers):
