@@ -3,12 +3,15 @@
 Handlers are installed for our own :class:`ApiError`, for Starlette's HTTP errors (unknown
 route, wrong method) and for FastAPI's request validation, whose message names each
 failing field as a dotted path (``body.config.data``, ``body.rows[2]``, ``query.after``).
+An unexpected exception is a 500 whose message carries an error id; its trace is in the
+server's log under that id, never sent.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +61,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 #: What any authenticated route can answer (429: too many wrong keys from the client's address).
 AUTHENTICATED_ERRORS = error_responses(401, 413, 422, 429, 500)
+
+
+def new_error_id() -> str:
+    """What a client quotes to the operator; the server's log has the trace under it."""
+    return uuid.uuid4().hex[:12]
 
 
 def not_found(what: str) -> ApiError:
@@ -117,8 +125,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(500, "internal server error", {"type": type(exc).__name__})
+        error_id = new_error_id()
+        log.exception("%s %s failed: error id %s", request.method, request.url.path, error_id)
+        return error_response(500, f"internal server error (error id {error_id})",
+                              {"type": type(exc).__name__, "error_id": error_id})
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

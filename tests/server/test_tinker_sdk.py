@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import re
 import time
 
 import httpx
@@ -356,7 +357,8 @@ def test_unloading_a_model_fails_the_request_it_is_running(server, keys, session
             time.sleep(0.001)
         assert raw.post("/unload_model", json={"model_id": tc.model_id}).status_code == 200
         failed = _result(raw, sent["request_id"]).json()
-    assert failed == {"error": "the model was unloaded", "category": "server"}
+    assert failed["category"] == "server" and set(failed) == {"error", "category"}
+    assert re.fullmatch(r"the model was unloaded \(error id [0-9a-f]{12}\)", failed["error"]), failed
 
 
 def test_sampling_stops_seeds_and_prompt_logprobs(session):

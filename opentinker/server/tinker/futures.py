@@ -4,19 +4,26 @@ and its result is fetched with ``retrieve_future``.
 Results live in the store (they survive a restart); waiting is in memory: a poll holds until
 the result lands or ``long_poll_s`` passes (answered ``try_again``, which the SDK re-polls at
 once), always under the SDK's 45 s read timeout. A training request re-sent with the same
-``(model_id, seq_id)`` gets the original future back, whatever its idempotency key.
+``(model_id, seq_id)`` gets the original future back, whatever its idempotency key. A future
+that fails for the server's reasons (category ``server``) carries an error id in its message;
+the server's log has the failure, and its trace, under that id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from opentinker.server.errors import new_error_id
 from opentinker.server.store import Store
+
+log = logging.getLogger("opentinker.server.tinker")
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -85,7 +92,21 @@ class FutureTable:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self._finish(request_id, "done", content_type=content_type, result=body)
 
-    def fail(self, request_id: str, message: str, category: str = "server") -> None:
+    def fail(self, request_id: str, message: str, category: str = "server",
+             error: BaseException | None = None) -> None:
+        """``category`` "user": the client's request was wrong, the message says how. "server":
+        an error id is added to the message and the failure logged under it, with the trace of
+        ``error`` (default: the exception being handled, as callers fail futures in ``except``)."""
+        row = self.get(request_id) if category == "server" else None
+        if row is not None and row.state == "pending":  # a finished one stays as it is: nothing to log
+            error = error if error is not None else sys.exc_info()[1]
+            error_id = new_error_id()
+            # Without an exception (a model unloaded under its requests) there is no trace to keep.
+            log.log(logging.ERROR if error is not None else logging.WARNING,
+                    "tinker %s request %s (model %s) failed: error id %s: %s", row.kind, request_id,
+                    row.model_id, error_id, message,
+                    exc_info=(type(error), error, error.__traceback__) if error is not None else None)
+            message = f"{message} (error id {error_id})"
         self._finish(request_id, "failed", error=message, category=category)
 
     def _finish(self, request_id: str, state: str, **values: Any) -> None:
@@ -112,9 +133,14 @@ class FutureTable:
 
     def fail_pending(self, message: str) -> int:
         """At startup: whatever was running in the previous process will never finish."""
+        error_id = new_error_id()
         with self.store.transaction() as conn:
             cur = conn.execute("UPDATE tinker_futures SET state = 'failed', error = ?, category = 'server', "
-                               "finished_at = ? WHERE state = 'pending'", (message, time.time()))
+                               "finished_at = ? WHERE state = 'pending'",
+                               (f"{message} (error id {error_id})", time.time()))
+        if cur.rowcount:
+            log.warning("%d tinker request(s) of the previous process failed: error id %s: %s", cur.rowcount,
+                        error_id, message)
         return cur.rowcount
 
     def forget_older_than(self, age_s: float) -> int:
