@@ -77,7 +77,8 @@ def local_server(data_dir: str | Path | None = None, port: int | None = None) ->
     data.mkdir(parents=True, exist_ok=True)
     if USER not in _server_cli("admin", "list-users", "--data-dir", str(data)).split():
         _server_cli("admin", "create-user", USER, "--data-dir", str(data))
-    match = _API_KEY.search(_server_cli("admin", "create-key", USER, "--data-dir", str(data)))
+    # The key is the last line (the line before it names the data folder, which may hold anything).
+    match = _API_KEY.fullmatch(_server_cli("admin", "create-key", USER, "--data-dir", str(data)).strip().splitlines()[-1])
     if match is None:
         raise RuntimeError("could not read the API key printed by 'opentinker-server admin create-key'")
     url = f"http://127.0.0.1:{port or _free_port()}"

@@ -10,6 +10,9 @@
     opentinker-server admin list-keys [--user NAME] [--data-dir DIR]
     opentinker-server admin revoke-key KEY_ID|KEY | --user NAME [--data-dir DIR]
 
+Without ``--data-dir``, ``serve`` and the admin commands use ``$OPENTINKER_DATA_DIR``, else
+``~/.opentinker-server``: a key works only on a server started on the folder it was made in.
+
 Heavy imports (Ray, the app) happen only in ``serve``, so admin commands start fast.
 """
 
@@ -22,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from opentinker.server.settings import ServerSettings, default_data_dir
+from opentinker.server.settings import DATA_DIR_ENV, ServerSettings, default_data_dir
 
 EXIT_USAGE = 2
 
@@ -32,7 +35,8 @@ def _add_data_dir(parser: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=Path,
         default=default_data_dir(),
-        help="where the job store and job folders live (default: %(default)s)",
+        help=f"where the job store and job folders live; serve and the admin commands must agree on it "
+             f"(default: ${DATA_DIR_ENV}, else ~/.opentinker-server; here %(default)s)",
     )
 
 
@@ -223,8 +227,10 @@ def _admin(args: argparse.Namespace) -> int:
             except LookupError as exc:
                 return _fail(f"{exc}; create it first with: opentinker-server admin create-user {args.user}")
             (info,) = store.list_api_keys(key_hash=auth.hash_key(key))
-            print(f"API key id {info.id} for {args.user!r} (list-keys and revoke-key name it by that id; the key "
-                  "is stored hashed and will not be shown again; with the tinker SDK, send it as tml-<key>):")
+            print(f"API key id {info.id} for {args.user!r}, written to {store.path} (only a server started with "
+                  f"--data-dir {Path(args.data_dir).expanduser()} accepts it; list-keys and revoke-key name it by "
+                  "that id; the key is stored hashed and will not be shown again; with the tinker SDK, send it as "
+                  "tml-<key>):")
             print(key)
         elif args.admin_command == "list-users":
             users = store.list_users()

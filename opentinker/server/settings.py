@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,9 @@ from typing import Any
 from opentinker.config import check_limits
 from opentinker.environments.endpoints import EndpointPolicy
 from opentinker.server.policy import JobPolicy, parse_served_models
+
+
+DATA_DIR_ENV = "OPENTINKER_DATA_DIR"
 
 
 def _proxy_address(item: str) -> str:
@@ -23,7 +27,10 @@ def _proxy_address(item: str) -> str:
 
 
 def default_data_dir() -> Path:
-    return Path.home() / ".opentinker-server"
+    """``$OPENTINKER_DATA_DIR``, else ``~/.opentinker-server``: what ``serve`` and every admin
+    command use without ``--data-dir``, so that keys are made where the server looks for them."""
+    configured = os.environ.get(DATA_DIR_ENV, "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".opentinker-server"
 
 
 @dataclass
