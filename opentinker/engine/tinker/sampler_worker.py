@@ -9,6 +9,11 @@ their turn comes). Each request's samples are rows of continuously batched decod
 turn by the time their decoding took, and full weights are swapped between steps when another
 snapshot's user is due (the rows of the one swapped out wait, their caches kept). Prompt logprobs (and top-k) come from one forward pass
 of the prompt.
+
+Snapshots are named by folder: every save writes a folder of its own (a name saved again,
+after a delete or with ``overwrite``, gets a new one), so a folder's content never changes and
+the loaded adapters (:class:`~.row_adapters.AdapterCache`, bounded in bytes) and full weights
+are kept by folder.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +30,23 @@ from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.rollout.base import SamplingParams
 from opentinker.engine.tinker import default_max_tokens
 from opentinker.engine.tinker.model_worker import SAMPLER_WEIGHTS_FILE
-from opentinker.engine.tinker.row_adapters import LoadedAdapter, RowAdapters, is_adapter_folder
+from opentinker.engine.tinker.row_adapters import (
+    AdapterCache,
+    LoadedAdapter,
+    RowAdapters,
+    adapter_bytes,
+    is_adapter_folder,
+)
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
 
 BASE = ""  # the snapshot key of the base model's own weights
-ADAPTERS_KEPT = 256  # LoRA snapshots kept loaded (a few MB each at most for models this server trains)
+ADAPTERS_KEPT = 256  # LoRA snapshots kept loaded at most, however small
+ADAPTER_CACHE_BYTES = 2**30  # ... and their bytes at most (the server: --tinker-sampler-adapter-cache-mb)
 
 
 class TinkerSampler:
-    """``limits``: the scheduler's caps (:class:`SchedulerLimits` fields)."""
+    """``limits``: the scheduler's caps (:class:`SchedulerLimits` fields) and
+    ``adapter_cache_bytes``, the budget of loaded LoRA adapters."""
 
     def __init__(self, model_path: str | None, trust_remote_code: bool = False, seed: int = 0, device: str = "auto",
                  limits: dict[str, Any] | None = None):
@@ -54,9 +66,13 @@ class TinkerSampler:
         self._base = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
         self.loaded = BASE
         self.row_adapters = RowAdapters(model)  # used on the scheduler's thread only
-        self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
+        limits = dict(limits or {})
+        self.adapters = AdapterCache(
+            int(limits.pop("adapter_cache_bytes", ADAPTER_CACHE_BYTES)), ADAPTERS_KEPT,
+            lambda folder: LoadedAdapter(folder, model.device, model.dtype),
+            lambda folder: adapter_bytes(folder, model.dtype), flag="--tinker-sampler-adapter-cache-mb")
         self.scheduler = SampleScheduler(self.engine, self._load, self._prompt_scores,
-                                         SchedulerLimits(**(limits or {})), apply_adapters=self.row_adapters.set)
+                                         SchedulerLimits(**limits), apply_adapters=self.row_adapters.set)
         threading.Thread(target=self.scheduler.serve_forever, name="tinker-sampler", daemon=True).start()
 
     def ready(self) -> dict[str, Any]:
@@ -70,7 +86,8 @@ class TinkerSampler:
         return {"live_rows": scheduler.live_rows, "live_tokens": scheduler.live_tokens,
                 "waiting_samples": scheduler.waiting_samples, "decode_steps": scheduler.steps,
                 "lanes": len(scheduler.lanes),
-                "limits": dict(scheduler.limits.__dict__), "rss_bytes": psutil.Process().memory_info().rss}
+                "limits": dict(scheduler.limits.__dict__), "adapter_cache": self.adapters.stats(),
+                "rss_bytes": psutil.Process().memory_info().rss}
 
     async def sample(self, request: dict[str, Any]) -> dict[str, Any]:
         """Serves one call: ``snapshot`` (a folder, or ``BASE``), ``prompt``, ``num_samples``,
@@ -98,28 +115,24 @@ class TinkerSampler:
 
         scored = {name: request.get(name) for name in ("prompt_logprobs", "topk_prompt", "last_n")}
         snapshot = request.get("snapshot") or BASE
-        adapter = await self._adapter(snapshot) if snapshot != BASE and is_adapter_folder(snapshot) else None
-        work = SampleWork(user=request.get("user"), snapshot=BASE if adapter is not None else snapshot,
-                          prompt=prompt, params=per_sample, on_done=on_done, adapter=adapter,
-                          prompt_options=scored if scored["prompt_logprobs"] or scored["topk_prompt"] else None)
-        self.scheduler.submit(work)
-        completions, scores = await done
+        held = await self.adapters.acquire(snapshot) if snapshot != BASE and is_adapter_folder(snapshot) else None
+        try:
+            work = SampleWork(user=request.get("user"), snapshot=BASE if held is not None else snapshot,
+                              prompt=prompt, params=per_sample, on_done=on_done,
+                              adapter=None if held is None else held.adapter,
+                              prompt_options=scored if scored["prompt_logprobs"] or scored["topk_prompt"] else None)
+            self.scheduler.submit(work)
+            completions, scores = await done
+        finally:
+            if held is not None:
+                self.adapters.release(held)
         result: dict[str, Any] = {"sequences": [(c.token_ids, c.logprobs, c.finish_reason) for c in completions]}
         result.update(scores or {})
         return result
 
-    async def _adapter(self, folder: str) -> LoadedAdapter:
-        """A LoRA snapshot's adapter, read once (the newest ``ADAPTERS_KEPT`` stay loaded; a
-        call holds its own until it is done)."""
-        adapter = self._adapters.get(folder)
-        if adapter is None:
-            model = self.engine.model
-            adapter = await asyncio.to_thread(LoadedAdapter, folder, model.device, model.dtype)
-            self._adapters[folder] = adapter
-            while len(self._adapters) > ADAPTERS_KEPT:
-                self._adapters.popitem(last=False)
-        self._adapters.move_to_end(folder)
-        return adapter
+    async def evict(self, folder: str) -> None:
+        """A deleted snapshot's adapter leaves the cache (once no call holds it)."""
+        self.adapters.evict(folder)
 
     # -- on the scheduler's thread ------------------------------------------------------
     def _load(self, snapshot: str) -> None:
