@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt + max_tokens of one forward pass's sequences together: what bounds its "
                              "cost, so how long another user waits for it, and its KV cache; a user may have "
                              "twice that decoding, everyone together eight times (default: %(default)s)")
+    tinker.add_argument("--tinker-sampler-adapter-cache-mb", type=int, default=1024, metavar="MB",
+                        help="LoRA adapters the sampler of each base model keeps loaded, in MB (the least recently "
+                             "used are evicted); reserved in --tinker-memory-gb for every served model "
+                             "(default: %(default)s)")
+    tinker.add_argument("--tinker-max-lora-rank", type=int, default=128, metavar="RANK",
+                        help="the largest LoRA rank create_model accepts (never past the model's hidden size); "
+                             "past it 400 (default: %(default)s)")
+    tinker.add_argument("--tinker-max-checkpoints", type=int, default=1000, metavar="N",
+                        help="per user: checkpoints kept (save_state and sampler snapshots, ephemeral ones "
+                             "included); past it a save answers 429 (default: %(default)s)")
+    tinker.add_argument("--tinker-max-checkpoint-gb", type=float, default=50.0, metavar="GB",
+                        help="per user: bytes on disk of those checkpoints; past it a save answers 429, one larger "
+                             "than the whole quota 400 (default: %(default)s)")
+    tinker.add_argument("--tinker-max-checkpoint-ttl", type=int, default=10 * 365 * 86400, metavar="SECONDS",
+                        help="the longest ttl_seconds a save may ask; past it 400 (a save without one is kept "
+                             "until deleted) (default: %(default)s, 10 years)")
     serving = serve.add_argument_group("serving trained models (/v1/chat/completions, /v1/completions)")
     serving.add_argument("--serve-device", choices=["cpu", "cuda"], default="cpu",
                          help="where saved checkpoints are loaded to answer requests (default: %(default)s)")
@@ -304,6 +320,11 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_sampler_max_rows=args.tinker_sampler_max_rows,
             tinker_max_resident_adapters=args.tinker_max_resident_adapters,
             tinker_sampler_max_tokens=args.tinker_sampler_max_tokens,
+            tinker_sampler_adapter_cache_mb=args.tinker_sampler_adapter_cache_mb,
+            tinker_max_lora_rank=args.tinker_max_lora_rank,
+            tinker_max_checkpoints=args.tinker_max_checkpoints,
+            tinker_max_checkpoint_gb=args.tinker_max_checkpoint_gb,
+            tinker_max_checkpoint_ttl_s=args.tinker_max_checkpoint_ttl,
             dashboard_session_s=args.dashboard_session_hours * 3600,
             serve_device=args.serve_device,
             serve_max_models=args.serve_max_models,

@@ -104,6 +104,20 @@ class ServerSettings:
     tinker_max_pending_sample_tokens: int = 524_288  # per user: num_samples x max_tokens of sampling not yet done
     tinker_sampler_max_rows: int = 64  # sequences the sampler decodes in one forward pass
     tinker_sampler_max_tokens: int = 16_384  # prompt + max_tokens of one forward's sequences: its cost and KV bound
+    # LoRA adapters the sampler keeps loaded, per base model, in MB (least recently used evicted);
+    # counted in the memory admission (--tinker-memory-gb) for every served model.
+    tinker_sampler_adapter_cache_mb: int = 1024
+    # LoRA rank at most (and never past the model's hidden size): 128 covers what LoRA is used at
+    # (8-64 typically, the cookbook's default 32) and bounds an adapter to ~1/3 of a 7-8B model's
+    # width; each unit of rank costs memory in the worker, the sampler and every checkpoint.
+    tinker_max_lora_rank: int = 128
+    # Checkpoints per user (save_state and sampler snapshots, ephemeral ones included): how many,
+    # and their bytes on disk (429 past either; 400 for one larger than the whole quota).
+    tinker_max_checkpoints: int = 1000
+    tinker_max_checkpoint_gb: float = 50.0
+    # The longest ttl_seconds a save may ask (400 past it; the SDK's own range ends at 10 years).
+    # A checkpoint saved without one is kept until deleted (the SDK's contract), within the quota.
+    tinker_max_checkpoint_ttl_s: int = 10 * 365 * 86400
     # Serving trained models (/v1/chat/completions, /v1/completions).
     serve_device: str = "cpu"  # where saved checkpoints are loaded to answer: cpu | cuda (one GPU)
     serve_max_models: int = 2  # checkpoints kept loaded at once (least recently used dropped)
@@ -119,7 +133,8 @@ class ServerSettings:
                      "tinker_max_models_per_user", "tinker_keep_ephemeral", "serve_max_models", "serve_max_tokens",
                      "tinker_max_pending_sample_tokens", "tinker_sampler_max_rows", "tinker_sampler_max_tokens",
                      "tinker_max_models", "tinker_max_sessions_per_user", "tinker_max_queued_requests",
-                     "tinker_max_queued_requests_per_user"):
+                     "tinker_max_queued_requests_per_user", "tinker_sampler_adapter_cache_mb", "tinker_max_lora_rank",
+                     "tinker_max_checkpoints", "tinker_max_checkpoint_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
@@ -133,6 +148,8 @@ class ServerSettings:
         if self.tinker_max_resident_adapters is not None and self.tinker_max_resident_adapters < 1:
             raise ValueError(f"tinker_max_resident_adapters must be >= 1 (or None: no limit), got "
                              f"{self.tinker_max_resident_adapters}")
+        if not self.tinker_max_checkpoint_gb > 0:
+            raise ValueError(f"tinker_max_checkpoint_gb must be > 0, got {self.tinker_max_checkpoint_gb}")
         if self.tinker_memory_gb is not None and not self.tinker_memory_gb > 0:
             raise ValueError(f"tinker_memory_gb must be > 0, got {self.tinker_memory_gb}")
         if not 0 < self.tinker_long_poll_s < 45:

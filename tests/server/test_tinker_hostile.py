@@ -383,8 +383,10 @@ def test_the_server_admits_models_up_to_its_cap_and_memory_budget_whoever_asks(s
     assert 0 < adapter < weights / 4
     # LoRA models share one copy of the base (1.25 x the weights, held once) and each adds its
     # adapter and optimizer state: room for the base and two rank-4 adapters, not three, and
-    # never a fully fine-tuned model (4 x the weights).
-    live = start_server(tmp_path, tinker_max_models=3, tinker_memory_gb=(1.25 * weights + 2.5 * adapter) / 2**30)
+    # never a fully fine-tuned model (4 x the weights); beside the sampler's adapter cache (1 MiB
+    # for the one served model), which the budget keeps.
+    live = start_server(tmp_path, tinker_max_models=3, tinker_sampler_adapter_cache_mb=1,
+                        tinker_memory_gb=(1.25 * weights + 2.5 * adapter + 2**20) / 2**30)
     carol_key, dave_key = helpers.make_user(tmp_path, "carol"), helpers.make_user(tmp_path, "dave")
     svc = live.app.state.tinker
     with _raw(live.url, carol_key) as carol, _raw(live.url, dave_key) as dave, peak_rss_growth() as growth:

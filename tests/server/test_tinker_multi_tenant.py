@@ -57,9 +57,7 @@ def train(service, client: int, rank: int, train_mlp: bool = True, bad_request: 
 def checkpoint_weights(data_dir: Path, tinker_path: str) -> dict:
     import torch
 
-    run, kind, name = tinker_path.removeprefix("tinker://").split("/")
-    state = torch.load(data_dir / "tinker" / run.replace(":", "_") / kind / name / "backend_state.pt",
-                       weights_only=False)
+    state = torch.load(_folder(data_dir, tinker_path) / "backend_state.pt", weights_only=False)
     return state["model"]
 
 
@@ -131,8 +129,10 @@ def _tiny_folder() -> str:
 
 
 def _folder(data_dir: Path, tinker_path: str) -> Path:
+    """The folder of a checkpoint's current write (``<name>@<write id>``: each save has its own)."""
     run, kind, name = tinker_path.removeprefix("tinker://").split("/")
-    return data_dir / "tinker" / run.replace(":", "_") / kind / name
+    (folder,) = (data_dir / "tinker" / run.replace(":", "_") / kind).glob(f"{name}@*")
+    return folder
 
 
 def _three_in_turn(server, key: str, after_first_round=lambda: None) -> dict[int, list[float]]:

@@ -36,6 +36,7 @@ class ModelFacts:
     # LoRA parameters per unit of rank with every linear layer of every block adapted (an
     # upper bound for fewer targets), None: unknown
     lora_params_per_rank: int | None = None
+    hidden_size: int | None = None  # the model's width: every adapted layer has it on one side
 
 
 def model_folder(model: ServedModel) -> Path | None:
@@ -80,6 +81,11 @@ def _lora_params_per_rank(config: dict) -> int | None:
     return layers * (attention + 3 * (hidden + inner))
 
 
+def _hidden_size(config: dict) -> int | None:
+    value = (config.get("text_config") or config).get("hidden_size")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def _weight_bytes(folder: Path) -> int | None:
     files = [f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES]
     # A folder may hold the same weights twice (safetensors and .bin): count one format.
@@ -112,7 +118,7 @@ def read_model_facts(model: ServedModel) -> ModelFacts:
         config = json.loads((folder / "config.json").read_text())
         if not isinstance(config, dict):
             return ModelFacts(None, _weight_bytes(folder))
-        return ModelFacts(_context(config), _weight_bytes(folder), _lora_params_per_rank(config))
+        return ModelFacts(_context(config), _weight_bytes(folder), _lora_params_per_rank(config), _hidden_size(config))
     except (OSError, ValueError) as error:
         log.warning("tinker: cannot read the facts of model %s from %s: %s", model.name, folder, error)
         return ModelFacts(None, None)
@@ -131,3 +137,21 @@ def estimated_adapter_bytes(facts: ModelFacts, rank: int) -> int | None:
     if facts.lora_params_per_rank is None:
         return None
     return facts.lora_params_per_rank * rank * ADAPTER_PARAM_BYTES
+
+
+#: Bytes per LoRA parameter on disk: fp32 (what the adapters train in; bf16 would be half).
+#: A state checkpoint holds the weight and Adam's two moments, a sampler snapshot the weight.
+_SAVED_PARAM_BYTES = 4
+
+
+def estimated_checkpoint_bytes(facts: ModelFacts, lora_rank: int, sampler: bool) -> int | None:
+    """What a model's first checkpoint will take on disk, before it is written (later ones
+    are estimated by the model's previous one of the same kind), or None when unknown: a LoRA
+    model's adapter from its parameter count (an upper bound: every linear layer adapted), a
+    fully fine-tuned model's weights as large as the weight files; x3 with Adam's moments."""
+    copies = 1 if sampler else 3
+    if lora_rank > 0:
+        if facts.lora_params_per_rank is None:
+            return None
+        return facts.lora_params_per_rank * lora_rank * _SAVED_PARAM_BYTES * copies
+    return None if facts.weight_bytes is None else facts.weight_bytes * copies

@@ -1,11 +1,15 @@
 """The Tinker API's moving parts in one place: the store's tables, the futures, the Ray host,
 checkpoint folders, and the housekeeping that ends idle sessions and collects garbage.
 
-A checkpoint lives in ``<data_dir>/tinker/<run>/<weights|sampler_weights>/<name>`` and is
-named to clients as ``tinker://<run>/<weights|sampler_weights>/<name>`` (the run id is the
-model id). Ephemeral sampler snapshots (what ``save_weights_and_get_sampling_client`` makes
-every RL step) are kept for a model's newest ``keep_ephemeral`` and for as long as its session
-lives; named checkpoints until deleted or past their ``ttl_seconds``.
+A checkpoint is named to clients as ``tinker://<run>/<weights|sampler_weights>/<name>`` (the
+run id is the model id) and lives in ``<data_dir>/tinker/<run>/<weights|sampler_weights>/
+<name>@<write id>``: every save writes a folder of its own, never changed afterwards, so a
+name saved again (after a delete, or with ``overwrite``) is new content at a new folder and
+the sampler, which keeps loaded snapshots by folder, cannot serve the old weights for it.
+Ephemeral sampler snapshots (what ``save_weights_and_get_sampling_client`` makes every RL step)
+are kept for a model's newest ``keep_ephemeral`` and for as long as its session lives; named
+checkpoints until deleted or past their ``ttl_seconds``. A user's checkpoints are bounded in
+count and bytes on disk (:mod:`.checkpoint_quota`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import asyncio
 import logging
 import os
 import shutil
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +27,16 @@ from typing import Any
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
+from opentinker.server.tinker.checkpoint_quota import CheckpointQuota, QuotaExceeded, Usage
 from opentinker.server.tinker.completions import CompletionFeeds
 from opentinker.server.tinker.futures import FutureTable
 from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
-from opentinker.server.tinker.model_facts import ModelFactsCache, estimated_adapter_bytes, estimated_model_bytes
+from opentinker.server.tinker.model_facts import (
+    ModelFactsCache,
+    estimated_adapter_bytes,
+    estimated_checkpoint_bytes,
+    estimated_model_bytes,
+)
 from opentinker.server.tinker.sample_budget import SampleBudget
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, TinkerState
 
@@ -50,6 +62,11 @@ class TinkerSettings:
     max_pending_samples: int = 1024  # per user; past it asample answers 429 (the SDK backs off)
     max_pending_sample_tokens: int = 524_288  # per user: num_samples x max_tokens of calls not done (429 past it)
     future_ttl_s: float = 3600.0  # finished futures are forgotten after this long
+    sampler_adapter_cache_bytes: int = 2**30  # per base model's sampler; reserved in the memory budget
+    max_lora_rank: int = 128  # and never past the model's hidden size
+    max_checkpoints_per_user: int = 1000  # save_state checkpoints and sampler snapshots, ephemeral ones included
+    max_checkpoint_bytes_per_user: int = 50 * 2**30  # ... their bytes on disk
+    max_checkpoint_ttl_s: int = 10 * 365 * 86400  # the longest ttl_seconds a save may ask
     housekeeping_s: float = 10.0
     host: HostSettings = None  # type: ignore[assignment]
 
@@ -88,6 +105,8 @@ class TinkerService:
         self.sample_budget = SampleBudget(settings.max_pending_sample_tokens)
         self.completions = CompletionFeeds()  # what retrieve_futures reports, per sampling session
         self.facts = ModelFactsCache()
+        self.checkpoint_quota = CheckpointQuota(settings.max_checkpoints_per_user,
+                                                settings.max_checkpoint_bytes_per_user)
 
     async def start(self) -> None:
         lost = self.state.mark_models_lost("the server restarted; create the model again from a checkpoint "
@@ -95,6 +114,8 @@ class TinkerService:
         failed = self.futures.fail_pending("the server restarted before this request finished")
         if lost or failed:
             log.warning("tinker: %d model(s) lost and %d request(s) failed in the restart", lost, failed)
+        for row in self.state.unsized_checkpoints():  # saved before sizes were always measured: the quota needs them
+            self.state.set_checkpoint_size(row, folder_bytes(Path(row.folder)))
         self._housekeeping = asyncio.create_task(self._keep_house())
 
     async def shutdown(self) -> None:
@@ -131,6 +152,22 @@ class TinkerService:
     def live_models(self, user_id: int) -> int:
         return sum(1 for slot in self.host.live_models() if slot.user_id == user_id)
 
+    def max_lora_rank(self, served: ServedModel) -> tuple[int, str]:
+        """The largest LoRA rank a model of ``served`` may have, and why (for the refusal)."""
+        flag = self.settings.max_lora_rank
+        why = f"--tinker-max-lora-rank {flag}"
+        hidden = self.facts.get(served).hidden_size
+        # Every adapted layer has the hidden size on one side, so B @ A never has a higher rank:
+        # a larger one costs memory and adds no capacity.
+        if hidden is not None and hidden < flag:
+            return hidden, f"{served.name}'s hidden size; {why}"
+        return flag, why
+
+    def sampler_memory_reserve(self) -> int:
+        """What the admission budget keeps for the samplers' adapter caches: each served model's
+        sampler may hold ``sampler_adapter_cache_bytes`` of LoRA adapters."""
+        return self.settings.sampler_adapter_cache_bytes * len(self.policy.models)
+
     def context_length(self, base_model: str) -> int | None:
         """The served model's context in tokens (its config's max_position_embeddings), if known."""
         return self.facts.get(self.served_model(base_model)).context
@@ -152,18 +189,21 @@ class TinkerService:
             estimate, base = estimated_model_bytes(facts, lora) or 0, 0
         kind = "LoRA" if lora else "fully fine-tuned"
         budget = settings.memory_budget_bytes
-        if budget is not None and estimate + base > budget:
+        reserve = self.sampler_memory_reserve()
+        reserved = (f" ({_gib(reserve)} of it kept for the samplers' LoRA adapters: --tinker-sampler-adapter-cache-mb "
+                    f"{settings.sampler_adapter_cache_bytes // 2**20} x {len(self.policy.models)} served models)")
+        if budget is not None and estimate + base + reserve > budget:
             raise UserError(f"a {kind} model of {served.name} needs about {_gib(estimate + base)} (an estimate from "
                             f"its weight files), more than this server's whole Tinker memory budget of {_gib(budget)}"
-                            + ("; a LoRA model needs less (lora_config)" if not lora else ""))
+                            + reserved + ("; a LoRA model needs less (lora_config)" if not lora else ""))
         live = self.host.live_models()
         if len(live) >= settings.max_models:
             raise ServerFull(f"the server is full: {len(live)} live Tinker models, the most it runs at once "
                              "(--tinker-max-models); retry when one is unloaded")
-        used = sum(slot.memory_bytes for slot in live) + self.host.base_memory_bytes()
+        used = sum(slot.memory_bytes for slot in live) + self.host.base_memory_bytes() + reserve
         if budget is not None and used + estimate + base > budget:
             raise ServerFull(f"the server's memory for Tinker models is full: {_gib(used)} of {_gib(budget)} is "
-                             f"taken (estimated) and a {kind} model of {served.name} needs about "
+                             f"taken (estimated){reserved} and a {kind} model of {served.name} needs about "
                              f"{_gib(estimate + base)}; retry when a model is unloaded")
         if shared and base:
             self.host.reserve_base_memory(worker_spec, base)
@@ -180,8 +220,65 @@ class TinkerService:
                         + "; load it again from a checkpoint")
 
     # -- checkpoints -----------------------------------------------------------------
-    def folder(self, run_id: str, kind: str, name: str) -> Path:
-        return self.root / run_id.replace(":", "_") / kind / name
+    def new_folder(self, run_id: str, kind: str, name: str) -> Path:
+        """A folder for one write of checkpoint ``name`` (``@`` never occurs in a name)."""
+        return self.root / run_id.replace(":", "_") / kind / f"{name}@{uuid.uuid4().hex[:12]}"
+
+    def check_ttl(self, ttl_s: int | None) -> None:
+        longest = self.settings.max_checkpoint_ttl_s
+        if ttl_s is not None and ttl_s > longest:
+            raise UserError(f"ttl_seconds {ttl_s} is past this server's longest checkpoint TTL, {longest} s "
+                            f"({longest / 86400:g} days; --tinker-max-checkpoint-ttl {longest}); give a shorter one, "
+                            "or none to keep the checkpoint until it is deleted")
+
+    def checkpoint_estimate(self, model: ModelRow, kind: str) -> int:
+        """What the model's next checkpoint of ``kind`` will take on disk: its previous one's
+        size, else an estimate from the model's size (0 when unknown: the landing check
+        measures it)."""
+        previous = self.state.latest_checkpoint_size(model.model_id, kind)
+        if previous is not None:
+            return previous
+        try:
+            facts = self.facts.get(self.served_model(model.base_model))
+        except UserError:  # no longer served
+            return 0
+        return estimated_checkpoint_bytes(facts, model.lora_rank, kind == "sampler_weights") or 0
+
+    def freed_by(self, model: ModelRow, replaced: CheckpointRow | None, ephemeral: bool) -> list[CheckpointRow]:
+        """The checkpoints a save of ``model`` replaces: the one of its name (``overwrite``), or
+        the ephemeral snapshots a new one pushes past the newest ``keep_ephemeral``."""
+        if ephemeral:
+            return self.state.ephemeral_beyond(model.model_id, self.settings.keep_ephemeral - 1)
+        return [] if replaced is None else [replaced]
+
+    def reserve_checkpoint(self, user_id: int, model: ModelRow, kind: str, freed: list[CheckpointRow]) -> int:
+        """Before a save is queued: QuotaExceeded if it would not fit the user's quota; else a
+        token holding its estimate until :meth:`CheckpointQuota.release`."""
+        estimate = self.checkpoint_estimate(model, kind)
+        in_flight = self.checkpoint_quota.in_flight(user_id, lambda model_id: self.host.slot(model_id) is not None)
+        self.checkpoint_quota.check(Usage(*self.state.checkpoint_usage(user_id)), in_flight, estimate, _usage(freed))
+        return self.checkpoint_quota.reserve(user_id, model.model_id, estimate)
+
+    def land_checkpoint(self, model: ModelRow, kind: str, name: str, user_id: int, folder: Path, ttl_s: int | None,
+                        metadata: dict[str, str] | None, freed: list[CheckpointRow], ephemeral: bool = False
+                        ) -> CheckpointRow:
+        """A save written to ``folder``: measured on disk, checked against the quota again
+        (UserError, the folder deleted, when it does not fit), recorded in place of any
+        checkpoint of the same name, whose folder is deleted."""
+        size = folder_bytes(folder)
+        try:
+            self.checkpoint_quota.check_landed(Usage(*self.state.checkpoint_usage(user_id)), size, _usage(freed))
+        except QuotaExceeded as error:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise UserError(str(error)) from None
+        now = time.time()
+        row = CheckpointRow(model.model_id, kind, name, user_id, str(folder), size, ephemeral, metadata, now,
+                            None if ttl_s is None else now + ttl_s)
+        self.state.add_checkpoint(row)  # replaces the row of the same name
+        for old in freed:
+            if (old.run_id, old.kind, old.name) == (row.run_id, row.kind, row.name):  # its row is replaced already
+                self._remove_folder(old)
+        return row
 
     def owned_checkpoint(self, path: str, user_id: int, kind: str | None = None) -> CheckpointRow:
         run, found_kind, name = parse_tinker_path(path)
@@ -196,7 +293,14 @@ class TinkerService:
 
     def delete_checkpoint(self, row: CheckpointRow) -> None:
         self.state.delete_checkpoint(row)
+        self._remove_folder(row)
+
+    def _remove_folder(self, row: CheckpointRow) -> None:
+        """A checkpoint's folder goes, and its adapter leaves the samplers' caches."""
         shutil.rmtree(row.folder, ignore_errors=True)
+        if row.kind == "sampler_weights":
+            for actor in self.host.started_samplers().values():
+                actor.evict.remote(row.folder)
 
     def collect_ephemeral(self, run_id: str) -> None:
         for row in self.state.ephemeral_beyond(run_id, self.settings.keep_ephemeral):
@@ -228,6 +332,15 @@ class TinkerService:
                 log.exception("tinker housekeeping failed")
 
 
+def folder_bytes(folder: Path) -> int:
+    """A checkpoint's bytes on disk (0 once gone)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
+def _usage(rows: list[CheckpointRow]) -> Usage:
+    return Usage(len(rows), sum(row.size_bytes or 0 for row in rows))
+
+
 def tinker_settings(settings: ServerSettings) -> TinkerSettings:
     """The Tinker API's settings from the operator's (``--tinker-*`` flags)."""
     return TinkerSettings(
@@ -238,6 +351,11 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
         max_queued_per_model=settings.tinker_max_queued_requests,
         max_queued_per_user=settings.tinker_max_queued_requests_per_user,
         max_pending_sample_tokens=settings.tinker_max_pending_sample_tokens,
+        sampler_adapter_cache_bytes=settings.tinker_sampler_adapter_cache_mb * 2**20,
+        max_lora_rank=settings.tinker_max_lora_rank,
+        max_checkpoints_per_user=settings.tinker_max_checkpoints,
+        max_checkpoint_bytes_per_user=int(settings.tinker_max_checkpoint_gb * 2**30),
+        max_checkpoint_ttl_s=settings.tinker_max_checkpoint_ttl_s,
         host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
                           max_resident_adapters=settings.tinker_max_resident_adapters,
                           offload_dir=str(settings.data_dir / "tinker" / "offload"),
@@ -247,10 +365,12 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
 
 def sampler_limits(settings: ServerSettings) -> dict[str, int]:
     """The sampler's caps (``SchedulerLimits``): one forward pass's; two passes' worth of
-    sequences started and not finished per user, and eight passes' worth for everyone."""
+    sequences started and not finished per user, and eight passes' worth for everyone; and
+    its LoRA adapter cache's bytes."""
     rows, tokens = settings.tinker_sampler_max_rows, settings.tinker_sampler_max_tokens
     return {"max_rows": rows, "max_batch_tokens": tokens, "max_user_tokens": 2 * tokens,
-            "max_live_rows": 8 * rows, "max_live_tokens": 8 * tokens}
+            "max_live_rows": 8 * rows, "max_live_tokens": 8 * tokens,
+            "adapter_cache_bytes": settings.tinker_sampler_adapter_cache_mb * 2**20}
 
 
 def _memory_budget(settings: ServerSettings) -> int:

@@ -78,6 +78,7 @@ CREATE INDEX IF NOT EXISTS tinker_sessions_by_user ON tinker_sessions(user_id, s
 CREATE INDEX IF NOT EXISTS tinker_models_by_session ON tinker_models(session_id);
 CREATE INDEX IF NOT EXISTS tinker_samplers_by_session ON tinker_samplers(session_id, created_at);
 CREATE INDEX IF NOT EXISTS tinker_samplers_by_user ON tinker_samplers(user_id, created_at);
+CREATE INDEX IF NOT EXISTS tinker_checkpoints_by_user ON tinker_checkpoints(user_id);
 """
 
 
@@ -262,10 +263,33 @@ class TinkerState:
             sql, params = sql + " AND run_id = ?", params + (run_id,)
         return [self._checkpoint(row) for row in self.store.query(sql + " ORDER BY created_at", params)]
 
-    def delete_checkpoint(self, row: CheckpointRow) -> None:
+    def checkpoint_usage(self, user_id: int) -> tuple[int, int]:
+        """How many checkpoints the user has (ephemeral ones included) and their bytes on disk."""
+        rows = self.store.query("SELECT COUNT(*) AS n, COALESCE(SUM(size_bytes), 0) AS size FROM tinker_checkpoints "
+                                "WHERE user_id = ?", (user_id,))
+        return int(rows[0]["n"]), int(rows[0]["size"])
+
+    def latest_checkpoint_size(self, run_id: str, kind: str) -> int | None:
+        """The size of the run's newest checkpoint of ``kind``, if it has one."""
+        rows = self.store.query("SELECT size_bytes FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND "
+                                "size_bytes IS NOT NULL ORDER BY created_at DESC LIMIT 1", (run_id, kind))
+        return int(rows[0]["size_bytes"]) if rows else None
+
+    def unsized_checkpoints(self) -> list[CheckpointRow]:
+        rows = self.store.query("SELECT * FROM tinker_checkpoints WHERE size_bytes IS NULL")
+        return [self._checkpoint(row) for row in rows]
+
+    def set_checkpoint_size(self, row: CheckpointRow, size: int) -> None:
         with self.store.transaction() as conn:
-            conn.execute("DELETE FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
-                         (row.run_id, row.kind, row.name))
+            conn.execute("UPDATE tinker_checkpoints SET size_bytes = ? WHERE run_id = ? AND kind = ? AND name = ?",
+                         (size, row.run_id, row.kind, row.name))
+
+    def delete_checkpoint(self, row: CheckpointRow) -> None:
+        """Deletes that write of it: a checkpoint saved again under its name (a folder of its
+        own) stays."""
+        with self.store.transaction() as conn:
+            conn.execute("DELETE FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ? AND folder = ?",
+                         (row.run_id, row.kind, row.name, row.folder))
 
     def ephemeral_beyond(self, run_id: str, keep: int) -> list[CheckpointRow]:
         """A model's ephemeral sampler snapshots past the newest ``keep``."""

@@ -3,7 +3,9 @@ optim_step, save_weights, save_weights_for_sampler, load_weights."""
 
 from __future__ import annotations
 
+import shutil
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, Request
@@ -15,6 +17,7 @@ from opentinker.server.tinker import openapi, schemas, wire
 from opentinker.server.tinker.openapi import errors
 from opentinker.server.tinker.futures import JSON, PROTOBUF
 from opentinker.server.tinker.host import UserError
+from opentinker.server.tinker.checkpoint_quota import QuotaExceeded
 from opentinker.server.tinker.service import ServerFull, TinkerService
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow
 from opentinker.server.tinker.routes.common import (
@@ -57,6 +60,11 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
                           "per user (--tinker-max-models-per-user); end a ServiceClient session (or unload a model) "
                           "first")
     served = svc.served_model(base_model)
+    rank = int(spec.get("lora_rank") or 0)
+    max_rank, why = svc.max_lora_rank(served)
+    if rank > max_rank:
+        raise user_error(f"LoRA rank {rank} is more than this server allows for {served.name}: at most {max_rank} "
+                         f"({why}); each unit of rank costs memory in the trainer, the sampler and every checkpoint")
     try:
         worker_spec = _worker_spec(svc, served, spec)
         if spec.get("lora_rank"):
@@ -202,11 +210,68 @@ async def optim_step(body: schemas.OptimStep, user: User = Depends(tinker_user),
     return submit(svc, user, body.model_id, body.seq_id, "OptimStep", run)
 
 
-def _new_checkpoint_folder(svc: TinkerService, model: ModelRow, kind: str, name: str, overwrite: bool):
-    folder = svc.folder(model.model_id, kind, name)
-    if folder.exists() and not overwrite:
-        raise user_error(f"tinker://{model.model_id}/{kind}/{name} exists; pick another name or save with overwrite")
-    return folder
+def _checkpoint_in_place(svc: TinkerService, model: ModelRow, kind: str, name: str, user: User,
+                         overwrite: bool) -> CheckpointRow | None:
+    """The checkpoint of that name a save would replace (with ``overwrite``); UserError when
+    there is one and no ``overwrite``."""
+    row = svc.state.checkpoint(model.model_id, kind, name, user.id)
+    if row is None or not Path(row.folder).exists():
+        return None
+    if not overwrite:
+        raise UserError(f"tinker://{model.model_id}/{kind}/{name} exists; pick another name, delete it first "
+                        "(RestClient.delete_checkpoint), or save with overwrite: true")
+    return row
+
+
+def _admit_save(svc: TinkerService, model: ModelRow, kind: str, name: str, user: User, body: schemas.SaveWeights,
+                ephemeral: bool) -> int:
+    """The checks before a save is queued (its name, TTL and the user's checkpoint quota);
+    a token holding its estimated size in the quota."""
+    try:
+        replaced = None if ephemeral else _checkpoint_in_place(svc, model, kind, name, user, body.overwrite)
+        svc.check_ttl(body.ttl_seconds)
+        return svc.reserve_checkpoint(user.id, model, kind, svc.freed_by(model, replaced, ephemeral))
+    except UserError as error:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise user_error(str(error)) from None
+    except QuotaExceeded as error:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        if error.retry:
+            raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
+        raise user_error(str(error)) from None
+
+
+def _save(svc: TinkerService, model: ModelRow, kind: str, name: str, user: User, body: schemas.SaveWeights,
+          write, ephemeral: bool = False):
+    """A queued save: ``write(handle, folder)`` writes the checkpoint to a new folder, which is
+    then measured, checked against the quota again and recorded (in place of the one of the
+    same name, with ``overwrite``). Returns ``run`` for :func:`submit` and the quota token."""
+    token = _admit_save(svc, model, kind, name, user, body, ephemeral)
+
+    async def run(handle) -> CheckpointRow:
+        try:
+            # Again at its turn: saves of a model run in order, a delete may have come between.
+            replaced = None if ephemeral else _checkpoint_in_place(svc, model, kind, name, user, body.overwrite)
+            folder = svc.new_folder(model.model_id, kind, name)
+            try:
+                await write(handle, folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            return svc.land_checkpoint(model, kind, name, user.id, folder, body.ttl_seconds, body.user_metadata,
+                                       svc.freed_by(model, replaced, ephemeral), ephemeral)
+        finally:
+            svc.checkpoint_quota.release(token)
+
+    return run, token
+
+
+def _queue_save(svc: TinkerService, user: User, body: schemas.SaveWeights, kind: str, run, token: int):
+    try:
+        return submit(svc, user, body.model_id, body.seq_id, kind, run)
+    except BaseException:
+        svc.checkpoint_quota.release(token)  # not queued: it never runs
+        raise
 
 
 @router.post("/save_weights", responses=errors(400, 404, 429))
@@ -215,57 +280,48 @@ async def save_weights(body: schemas.SaveWeights, user: User = Depends(tinker_us
     """``save_state``: weights (with LoRA, the adapters) and optimizer state, loadable with
     ``create_training_client_from_state[_with_optimizer]``."""
     model = usable_model(svc, body.model_id, user)
+    existing = svc.futures.existing(body.model_id, body.seq_id)
+    if existing is not None:  # a re-sent save: its first future, checked when it was sent
+        return existing.submit_answer()
     if body.path is None:
         refuse_seq(svc, body.model_id, body.seq_id, user)
         raise user_error("save_weights: path (the checkpoint's name) is required")
-    try:
-        folder = _new_checkpoint_folder(svc, model, "weights", body.path, body.overwrite)
-    except ApiError:
-        refuse_seq(svc, body.model_id, body.seq_id, user)
-        raise
+
+    async def write(handle, folder) -> None:
+        await handle.save_state(str(folder))
+
+    save, token = _save(svc, model, "weights", body.path, user, body, write)
 
     async def run(handle):
-        await handle.save_state(str(folder))
-        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-        row = _checkpoint_row(model, "weights", body.path, user, folder, size, body.ttl_seconds, body.user_metadata)
-        svc.state.add_checkpoint(row)
+        row = await save(handle)
         return {"path": row.tinker_path, "type": "save_weights"}, JSON
 
-    return submit(svc, user, body.model_id, body.seq_id, "SaveWeights", run)
-
-
-def _checkpoint_row(model: ModelRow, kind: str, name: str, user: User, folder, size: int | None,
-                    ttl_s: int | None = None, metadata: dict[str, str] | None = None,
-                    ephemeral: bool = False) -> CheckpointRow:
-    import time
-
-    now = time.time()
-    return CheckpointRow(model.model_id, kind, name, user.id, str(folder), size, ephemeral, metadata, now,
-                         None if ttl_s is None else now + ttl_s)
+    return _queue_save(svc, user, body, "SaveWeights", run, token)
 
 
 @router.post("/save_weights_for_sampler", responses=errors(400, 404, 429))
 async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depends(tinker_user),
                                    svc: TinkerService = Depends(service)) -> dict[str, Any]:
-    """Named (``path``): a ``tinker://…/sampler_weights/<name>`` to sample from later. Ephemeral
-    (``sampling_session_seq_id``): a sampling session on the current weights, at once."""
+    """Named (``path``): a ``tinker://…/sampler_weights/<name>`` to sample from later
+    (``overwrite`` replaces one of that name). Ephemeral (``sampling_session_seq_id``): a
+    sampling session on the current weights, at once."""
     model = usable_model(svc, body.model_id, user)
+    existing = svc.futures.existing(body.model_id, body.seq_id)
+    if existing is not None:
+        return existing.submit_answer()
     ephemeral = body.path is None
     if ephemeral and body.sampling_session_seq_id is None:
         refuse_seq(svc, body.model_id, body.seq_id, user)
         raise user_error("save_weights_for_sampler: give path (a name) or sampling_session_seq_id")
     name = body.path or f"ephemeral-{body.seq_id or uuid.uuid4().hex[:8]}-{uuid.uuid4().hex[:6]}"
-    try:
-        folder = _new_checkpoint_folder(svc, model, "sampler_weights", name, overwrite=ephemeral)
-    except ApiError:
-        refuse_seq(svc, body.model_id, body.seq_id, user)
-        raise
+
+    async def write(handle, folder) -> None:
+        await handle.save_sampler_weights(str(folder))
+
+    save, token = _save(svc, model, "sampler_weights", name, user, body, write, ephemeral)
 
     async def run(handle):
-        size = await handle.save_sampler_weights(str(folder))
-        row = _checkpoint_row(model, "sampler_weights", name, user, folder, size, body.ttl_seconds,
-                              body.user_metadata, ephemeral)
-        svc.state.add_checkpoint(row)
+        row = await save(handle)
         if not ephemeral:
             return {"path": row.tinker_path, "type": "save_weights_for_sampler"}, JSON
         sampler_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
@@ -273,7 +329,7 @@ async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depen
         svc.collect_ephemeral(model.model_id)
         return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}, JSON
 
-    return submit(svc, user, body.model_id, body.seq_id, "SaveWeightsForSampler", run)
+    return _queue_save(svc, user, body, "SaveWeightsForSampler", run, token)
 
 
 @router.post("/load_weights", responses=errors(400, 404, 429))
