@@ -342,11 +342,18 @@ def _usage(rows: list[CheckpointRow]) -> Usage:
 
 
 def tinker_settings(settings: ServerSettings) -> TinkerSettings:
-    """The Tinker API's settings from the operator's (``--tinker-*`` flags)."""
+    """The Tinker API's settings from the operator's (``--tinker-*`` flags); ValueError when the
+    samplers' adapter caches would take the whole memory budget."""
+    budget, served = _memory_budget(settings), len(settings.job_policy.models)
+    reserve = settings.tinker_sampler_adapter_cache_mb * 2**20 * served
+    if reserve >= budget:
+        raise ValueError(f"--tinker-sampler-adapter-cache-mb {settings.tinker_sampler_adapter_cache_mb} x {served} "
+                         f"served models ({_gib(reserve)}) leaves nothing of the Tinker memory budget ({_gib(budget)}, "
+                         "--tinker-memory-gb) for training models: lower the one or raise the other")
     return TinkerSettings(
         session_timeout_s=settings.tinker_session_timeout_s, long_poll_s=settings.tinker_long_poll_s,
         keep_ephemeral=settings.tinker_keep_ephemeral, max_models_per_user=settings.tinker_max_models_per_user,
-        max_models=settings.tinker_max_models, memory_budget_bytes=_memory_budget(settings),
+        max_models=settings.tinker_max_models, memory_budget_bytes=budget,
         max_sessions_per_user=settings.tinker_max_sessions_per_user,
         max_queued_per_model=settings.tinker_max_queued_requests,
         max_queued_per_user=settings.tinker_max_queued_requests_per_user,
