@@ -163,3 +163,5 @@ def test_revoking_a_key_ends_its_event_streams_and_long_polls_within_seconds(ser
         with httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": "tml-" + other_key},
                           trust_env=False) as owner:
             owner.post("/unload_model", json={"model_id": training.model_id})
+    # Every stream and poll let go of what it held: nothing is left watched.
+    helpers.wait_for(lambda: not server.app.state.credential_watch._watched, 15, "the watch to be empty")
