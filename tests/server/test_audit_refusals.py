@@ -7,6 +7,8 @@ spoofed ``X-Forwarded-For`` does not reset the failed-key limiter (uvicorn trust
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 
@@ -69,9 +71,9 @@ def _too_deep(answer: httpx.Response) -> None:
                                       "accepts at most 32", "detail": {"max_depth": 32}}
 
 
-def test_deep_json_to_an_unsupported_tinker_route_is_a_400(server, keys):
+def test_deep_json_to_an_unsupported_tinker_route_is_a_400(server, keys, caplog):
     not_offered = "copying checkpoints between runs is not offered"
-    with _tinker(server, keys["alice"]) as raw:
+    with _tinker(server, keys["alice"]) as raw, caplog.at_level(logging.ERROR, logger="opentinker"):
         # The audit's request (a 500 RecursionError before).
         _too_deep(raw.post("/copy_weights", content=f'{{"model_id": {DEEP}}}', headers=JSON))
         _too_deep(raw.put("/sessions/s/project", content=DEEP, headers=JSON))
@@ -89,6 +91,7 @@ def test_deep_json_to_an_unsupported_tinker_route_is_a_400(server, keys):
         _too_deep(raw.post("/copy_weights", content='{"model_id": ' + "[" * 32 + "]" * 32 + "}", headers=JSON))
         answer = raw.post("/copy_weights", json={"model_id": "[{" * 5000 + '\\"'})
         assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
+    assert not caplog.records  # a client's mistake, not the server's: nothing logged as an error
 
 
 def test_deep_json_is_a_400_on_the_servers_own_routes_and_the_tinker_json_routes(server, keys, alice):
