@@ -158,8 +158,13 @@ def test_ppo_with_gae_trains_a_critic_and_resumes_it(tiny_model_dir, tmp_path):
 def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run):
     """PPO with a critic on the same seeded 60-step run as GRPO's; the critic learns: its value
     loss falls and its explained variance (on each step's fresh samples, before its update)
-    climbs from below 0 to above it. With the actor on FSDP ranks the run is the same (the test
-    after this one), so this one runs the actor in one process."""
+    climbs from below 0 to about 0 (as good as the batch's mean return, not better: on this
+    task and scale the end stays within run-to-run noise of 0). Measured with seeds 0-3 on 2
+    cores (``trainer.seed=S``, the overrides below): accuracy 0.515 -> 0.760-0.795; EV
+    -0.404..-0.077 -> -0.005..0.026; vf loss down 6-44%. An audit's run elsewhere: EV -0.050 ->
+    -0.009, so "EV > 0 at the end" failed by chance; the bounds below keep a margin over all of
+    these. With the actor on FSDP ranks the run is the same (the test after this one), so this
+    one runs the actor in one process."""
     history = heldout_run("algorithm.adv_estimator=gae", "critic.optim.lr=1e-4")
     trained = [m for m in history if "reward/mean" in m]
     assert [m["step"] for m in trained] == list(range(1, 61))
@@ -172,7 +177,7 @@ def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run
           f"{np.mean(ev[first]):.3f} -> {np.mean(ev[last]):.3f}; vf loss {np.mean(vf_loss[first]):.4f} -> "
           f"{np.mean(vf_loss[last]):.4f}")
     assert after >= 0.6 > before
-    assert np.mean(ev[first]) < 0 < np.mean(ev[last])
+    assert np.mean(ev[first]) < np.mean(ev[last]) and np.mean(ev[last]) > -0.1
     assert np.mean(vf_loss[last]) < np.mean(vf_loss[first])
 
 
