@@ -26,9 +26,11 @@ mixed-adapter forward requires; gradients flow all the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,12 +48,10 @@ from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
+from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows
 from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger("opentinker.engine.tinker")
-
-#: Rows' tokens one batched pass takes at most (more are split into further passes).
-MAX_PASS_TOKENS = 65_536
 
 
 @dataclass
@@ -67,12 +67,22 @@ class ForwardBackwardCall:
 
 @dataclass
 class _Prepared:
+    """A call ready to run, or the piece of it that one pass runs (``rows``: its indices in the
+    call's data; ``batch``: those rows)."""
+
     index: int  # in the cycle's list of calls
     call: ForwardBackwardCall
     adapter: "_Adapter"
     batch: TokenBatch
     loss: Any  # LossSpec
     config: dict[str, Any]
+    rows: list[int]
+
+    def piece(self, rows: list[int]) -> "_Prepared":
+        """The piece of this (whole) call with ``rows`` of its data."""
+        if len(rows) == len(self.rows):
+            return self
+        return _Prepared(self.index, self.call, self.adapter, self.batch.select(rows), self.loss, self.config, rows)
 
 
 @dataclass
@@ -102,7 +112,9 @@ class AdapterWorker:
     world_size = 1
 
     def __init__(self, model_path: str | None, trust_remote_code: bool = False, device: str = "auto",
-                 max_resident: int | None = None, offload_dir: str | None = None):
+                 max_resident: int | None = None, offload_dir: str | None = None,
+                 limits: PassLimits | None = None):
+        import shutil
         import tempfile
 
         from opentinker.engine.model_loading import load_tokenizer, pick_device, resolve_model_path
@@ -121,11 +133,15 @@ class AdapterWorker:
         self.scorer = ResponseScorer(pad, self.device, use_remove_padding=False, share_prompt_prefix=False)
         self.adapters: dict[str, _Adapter] = {}
         self.max_resident = max_resident
+        self.limits = limits or PassLimits()  # what one pass may cost (padded tokens, attention cells)
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._names = 0
         self._offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="opentinker-adapters-"))
+        # What a killed worker left there belongs to nobody now (its models were lost with it).
+        shutil.rmtree(self._offload_dir, ignore_errors=True)
         self._offload_dir.mkdir(parents=True, exist_ok=True)
         self.passes = 0  # batched passes run (for tests and stats)
+        self.largest_pass = (0, 0)  # the most padded tokens and attention cells one pass held
 
     def _load_base(self, path: str, trust_remote_code: bool) -> torch.nn.Module:
         from opentinker.engine.model_loading import load_causal_lm
@@ -140,7 +156,7 @@ class AdapterWorker:
         import psutil
 
         return {"models": len(self.adapters), "resident": list(self._resident), "passes": self.passes,
-                "rss_bytes": psutil.Process().memory_info().rss}
+                "largest_pass": list(self.largest_pass), "rss_bytes": psutil.Process().memory_info().rss}
 
     # -- the cycle --------------------------------------------------------------------
     def cycle(self, calls: Sequence[ForwardBackwardCall],
@@ -196,15 +212,26 @@ class AdapterWorker:
         # Its tensors in module order (the order of its optimizer's state), found once.
         marker = re.compile(rf"\.lora_[AB]\.{adapter.name}\.")
         adapter.named = [(name, p) for name, p in self.model.named_parameters() if marker.search(name)]
-        for parameter in adapter.parameters():
-            parameter.requires_grad_(True)
         self._resident[adapter.model_id] = None
+        self._freeze_all(adapter)
 
     def _detach(self, adapter: _Adapter) -> None:
-        self.model.delete_adapter(adapter.name)
+        with warnings.catch_warnings():  # "Adapter model1 was active which is now deleted": no adapter is
+            warnings.simplefilter("ignore")  # active here, each row names its own
+            self.model.delete_adapter(adapter.name)
         adapter.optimizer = None
         adapter.named = []
         self._resident.pop(adapter.model_id, None)
+        self._freeze_all()
+
+    def _freeze_all(self, *more: _Adapter) -> None:
+        """After peft added or deleted an adapter: it sets ``requires_grad`` of the others by
+        its own "active adapter" (``delete_adapter`` calls ``set_adapter``, which freezes every
+        adapter but one). Between passes every adapter rests frozen; :meth:`_trainable` sets
+        a pass's own."""
+        for adapter in (*self.adapters.values(), *more):
+            for parameter in adapter.parameters():  # none while offloaded
+                parameter.requires_grad_(False)
 
     def _adapter(self, model_id: str) -> _Adapter:
         adapter = self.adapters.get(model_id)
@@ -256,7 +283,10 @@ class AdapterWorker:
     # -- training -----------------------------------------------------------------------
     def forward_backward(self, calls: Sequence[ForwardBackwardCall]) -> list[dict[str, Any]]:
         """Each call's per-datum ``logprobs`` / ``elementwise_loss`` and metrics, computed in
-        batched passes; a call that cannot run (bad datums, unknown loss) fails alone."""
+        passes within :attr:`limits`; a call that cannot run (bad datums, unknown loss) fails
+        alone. A call's rows may be spread over several passes (sorted by length so that rows
+        of similar length pad together): its loss is a sum over its rows, so its gradient and
+        its summed metrics are the same."""
         results: list[dict[str, Any] | None] = [None] * len(calls)
         prepared = []
         for index, call in enumerate(calls):
@@ -268,97 +298,129 @@ class AdapterWorker:
             except Exception as error:  # noqa: BLE001 - that call's own failure
                 results[index] = _error(error)
                 continue
-            prepared.append(_Prepared(index, call, adapter, batch, loss, config))
+            prepared.append(_Prepared(index, call, adapter, batch, loss, config, list(range(len(batch)))))
+        pieces: dict[int, list[tuple[list[int], dict[str, Any]]]] = {item.index: [] for item in prepared}
         for group in self._passes(prepared):
             try:
-                self._run_pass(group, results)
+                for index, rows, outcome in self._run_pass(group):
+                    pieces[index].append((rows, outcome))
             except Exception as error:  # noqa: BLE001
                 if self.world_size > 1:  # a rank cannot redo a pass alone: its peers wait in collectives
                     raise
-                if len(group) == 1:
-                    results[group[0].index] = _error(error)
-                    continue
-                log.warning("a batched pass of %d requests failed (%s); running them one by one", len(group), error)
-                for item in group:
+                log.warning("a pass of %d requests failed (%s: %s); running them one by one", len(group),
+                            type(error).__name__, error)
+                for piece in group:  # only the culprit fails (its other pieces' results are dropped)
                     try:
-                        self._run_pass([item], results)
+                        for index, rows, outcome in self._run_pass([piece]):
+                            pieces[index].append((rows, outcome))
                     except Exception as single:  # noqa: BLE001
-                        results[item.index] = _error(single)
+                        results[piece.index] = _error(single)
+        for index, parts in pieces.items():
+            if results[index] is None:
+                results[index] = {"result": _joined(parts, keep_rows=self.world_size > 1)}
         return results  # type: ignore[return-value]
 
     def _passes(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
-        """The calls in groups of at most ``max_resident`` models and ``MAX_PASS_TOKENS`` tokens."""
+        """The cycle's rows in passes: its calls in groups of at most ``max_resident`` models,
+        and each group's rows, longest first, cut to fit :attr:`limits` (a piece of a call per
+        pass it has rows in)."""
         groups: list[list[_Prepared]] = []
         models: set[str] = set()
-        tokens = 0
         for item in prepared:
-            size = sum(len(p) + len(r) for p, r in zip(item.batch.prompt_ids, item.batch.response_ids))
-            full = (self.max_resident is not None and item.call.model_id not in models
-                    and len(models) >= self.max_resident) or tokens + size > MAX_PASS_TOKENS
-            if not groups or full:
+            if not groups or (self.max_resident is not None and item.call.model_id not in models
+                              and len(models) >= self.max_resident):
                 groups.append([])
-                models, tokens = set(), 0
+                models = set()
             groups[-1].append(item)
             models.add(item.call.model_id)
-            tokens += size
-        return groups
+        passes = []
+        for group in groups:
+            rows = [(item, row) for item in group for row in item.rows]
+            lengths = [len(item.batch.prompt_ids[row]) + len(item.batch.response_ids[row]) for item, row in rows]
+            for cut in cut_rows(lengths, self.limits):
+                chosen: dict[int, list[int]] = {}
+                for position in cut:
+                    item, row = rows[position]
+                    chosen.setdefault(id(item), []).append(row)
+                passes.append([item.piece(sorted(chosen[id(item)])) for item in group if id(item) in chosen])
+        return passes
 
-    def _run_pass(self, group: list[_Prepared], results: list[Any]) -> None:
+    def _run_pass(self, group: list[_Prepared]) -> list[tuple[int, list[int], dict[str, Any]]]:
+        """One pass over ``group``'s pieces; ``(call index, its rows, outcome)`` per piece
+        whose rows this process computed."""
         self._use([item.call.model_id for item in group])
-        parts = self._own_rows(group)
         train = any(not item.call.forward_only for item in group)
-        rows = parts or self._filler(group, train)
-        names = [item.adapter.name for item, part in rows for _ in range(len(part))]
-        combined = TokenBatch.from_responses([p for _, part in rows for p in part.prompt_ids],
-                                             [r for _, part in rows for r in part.response_ids])
+        parts = self._own_rows(group)
+        if not parts or (train and all(item.call.forward_only for item, _, _ in parts)):
+            # FSDP's gathers need every rank in the forward and the backward: a rank without
+            # (training) rows runs one row whose result is dropped.
+            parts = parts + self._filler(group, train)
+        names = [item.adapter.name for item, part, _ in parts for _ in range(len(part))]
+        combined = TokenBatch.from_responses([p for _, part, _ in parts for p in part.prompt_ids],
+                                             [r for _, part, _ in parts for r in part.response_ids])
         needs_entropy = {id(item): item.loss.needs_entropy(item.config) for item in group}
 
         def model(**inputs):
             return self.model(**inputs, adapter_names=names)
 
-        with torch.set_grad_enabled(train):
+        training = [item.adapter for item in group if not item.call.forward_only]
+        with self._trainable(training), torch.set_grad_enabled(train):
             logprobs, entropy = self.scorer(model, combined, 1.0, any(needs_entropy.values()),
                                             entropy_grad=any(needs_entropy.values()))
-        self.passes += 1
-        total = None
-        outcomes = {}
-        start = 0
-        for item, part in parts:
-            end, width = start + len(part), part.response_width
-            part_logprobs = logprobs[start:end, :width]
-            part_entropy = entropy[start:end, :width] if needs_entropy[id(item)] else None
-            if item.call.forward_only:
-                with torch.no_grad():
-                    out = weighted_loss(item.loss, item.config, part_logprobs.detach(),
-                                        None if part_entropy is None else part_entropy.detach(), part, self.device)
-            else:
-                out = weighted_loss(item.loss, item.config, part_logprobs, part_entropy, part, self.device)
-                total = out.loss if total is None else total + out.loss
-            outcomes[id(item)] = {"outputs": per_datum(part, logprobs=part_logprobs.detach(),
-                                                       elementwise_loss=out.elementwise),
-                                  "metrics": out.metrics}
-            start = end
-        if train:
-            # The backward writes gradients (zeros) to every adapter the pass's rows went
-            # through, also those of forward-only requests: theirs are put back as they were.
-            kept = [(p, p.grad) for item in group if item.call.forward_only for p in item.adapter.parameters()]
-            if self.world_size > 1:
-                # Every rank runs the backward (FSDP gathers the base's shards in it), also one
-                # whose rows carry no training loss: a zero term gives it a graph.
-                zero = logprobs.sum() * 0.0
-                total = zero if total is None else total + zero
-            total.backward()
-            for parameter, grad in kept:
-                parameter.grad = grad
-        for item in group:
-            results[item.index] = {"result": outcomes.get(id(item), {"outputs": [], "metrics": {}})}
+            self.passes += 1
+            rows, longest = len(combined), max(len(p) + len(r) for p, r in zip(combined.prompt_ids,
+                                                                                combined.response_ids))
+            self.largest_pass = tuple(map(max, self.largest_pass, (rows * longest, rows * longest * longest)))
+            total = None
+            outcomes = []
+            start = 0
+            for item, part, rows in parts:
+                end, width = start + len(part), part.response_width
+                if rows:  # not a filler row
+                    part_logprobs = logprobs[start:end, :width]
+                    part_entropy = entropy[start:end, :width] if needs_entropy[id(item)] else None
+                    if item.call.forward_only:
+                        with torch.no_grad():
+                            out = weighted_loss(item.loss, item.config, part_logprobs.detach(),
+                                                None if part_entropy is None else part_entropy.detach(), part,
+                                                self.device)
+                    else:
+                        out = weighted_loss(item.loss, item.config, part_logprobs, part_entropy, part, self.device)
+                        total = out.loss if total is None else total + out.loss
+                    outcomes.append((item.index, rows, {
+                        "outputs": per_datum(part, logprobs=part_logprobs.detach(), elementwise_loss=out.elementwise),
+                        "metrics": out.metrics}))
+                start = end
+            if train:
+                if self.world_size > 1:
+                    # Every rank runs the backward (FSDP gathers the base's shards in it), also one
+                    # whose rows carry no training loss: a zero term gives it a graph.
+                    zero = logprobs.sum() * 0.0
+                    total = zero if total is None else total + zero
+                total.backward()
+        return outcomes
 
-    def _own_rows(self, group: list[_Prepared]) -> list[tuple[_Prepared, TokenBatch]]:
-        """The rows of the pass this process computes, per request: all of them here; a rank of
-        the sharded worker overrides it."""
-        return [(item, item.batch) for item in group]
+    @contextlib.contextmanager
+    def _trainable(self, adapters: Sequence[_Adapter]):
+        """Exactly ``adapters`` take gradients for the pass: the worker, not peft's "active
+        adapter", decides (peft's ``add_adapter`` / ``delete_adapter`` switch ``requires_grad``
+        of adapters they did not touch). Every adapter rests frozen between passes."""
+        for adapter in adapters:
+            for parameter in adapter.parameters():
+                parameter.requires_grad_(True)
+        try:
+            yield
+        finally:
+            for adapter in adapters:
+                for parameter in adapter.parameters():
+                    parameter.requires_grad_(False)
 
-    def _filler(self, group: list[_Prepared], train: bool) -> list[tuple[_Prepared, TokenBatch]]:
+    def _own_rows(self, group: list[_Prepared]) -> list[tuple[_Prepared, TokenBatch, list[int]]]:
+        """The rows of the pass this process computes, per piece, with their indices in its
+        request: all of them here; a rank of the sharded worker overrides it."""
+        return [(item, item.batch, item.rows) for item in group]
+
+    def _filler(self, group: list[_Prepared], train: bool) -> list[tuple[_Prepared, TokenBatch, list[int]]]:
         raise AssertionError("a pass without rows")  # only ranks of the sharded worker have none
 
     def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
@@ -438,6 +500,23 @@ class AdapterWorker:
         for adapter in self.adapters.values():
             if adapter.offloaded is not None:
                 adapter.offloaded.unlink(missing_ok=True)
+
+
+def _joined(parts: list[tuple[list[int], dict[str, Any]]], keep_rows: bool) -> dict[str, Any]:
+    """A call's result from the pieces its passes computed: outputs back in its rows' order,
+    metrics summed (every Tinker metric is a sum). ``keep_rows``: a rank of the sharded worker
+    holds some rows only and says which (the driver interleaves the ranks' rows)."""
+    rows = [row for piece_rows, _ in parts for row in piece_rows]
+    outputs = [output for _, outcome in parts for output in outcome["outputs"]]
+    metrics: dict[str, float] = {}
+    for _, outcome in parts:
+        for key, value in outcome["metrics"].items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    result: dict[str, Any] = {"outputs": [outputs[i] for i in order], "metrics": metrics}
+    if keep_rows:
+        result["rows"] = [rows[i] for i in order]
+    return result
 
 
 _OPS = {"add_model", "remove_model", "optim_step", "save_state", "load_state", "save_sampler_weights"}

@@ -10,23 +10,15 @@ other targets are refused with a user error rather than scored wrongly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.tinker.datum_rules import INPUT_NAMES, Datum, DatumError, check_datum
 
-#: Tinker's per-token input names -> the backend losses' names.
-INPUT_NAMES = {"weights": "weights", "logprobs": "old_logprobs", "advantages": "advantages",
-               "sequence_ratio_mask": "sequence_ratio_mask"}
-
-
-#: One datum as the server passes it: the model input's N token ids and the per-token inputs.
-Datum = tuple[np.ndarray, Mapping[str, np.ndarray]]
-
-
-class DatumError(ValueError):
-    """A datum the backend cannot train on as sent (a user error)."""
+__all__ = ["INPUT_NAMES", "Datum", "DatumError", "datum_limits", "per_datum", "token_batch"]
 
 
 def datum_limits(model_path: str, trust_remote_code: bool = False) -> tuple[int, int | None]:
@@ -45,20 +37,9 @@ def token_batch(data: Sequence[Datum], vocab_size: int | None = None, context: i
     positions (the N input tokens plus the last target)."""
     prompts, responses = [], []
     for index, (tokens, inputs) in enumerate(data):
-        if context is not None and len(tokens) + 1 > context:
-            raise DatumError(f"data[{index}]: {len(tokens)} model input tokens (plus the last target: "
-                             f"{len(tokens) + 1} positions) are more than the model's context of {context} tokens")
         tokens = np.asarray(tokens).tolist()
         targets = np.asarray(inputs["target_tokens"]).tolist()
-        if vocab_size is not None and max(tokens + targets) >= vocab_size:
-            raise DatumError(f"data[{index}]: token id {max(tokens + targets)} is past the model's vocabulary "
-                             f"({vocab_size} ids)")
-        if tokens[1:] != targets[:-1]:
-            first = next(i for i in range(len(tokens) - 1) if tokens[i + 1] != targets[i])
-            raise DatumError(
-                f"data[{index}]: target_tokens[{first}] is {targets[first]} but model_input[{first + 1}] is "
-                f"{tokens[first + 1]}; this server trains next-token targets (target_tokens[i] == "
-                "model_input[i+1], the last target free)")
+        check_datum(index, tokens, targets, vocab_size, context)
         prompts.append(tokens[:1])
         responses.append(tokens[1:] + targets[-1:])
     batch = TokenBatch.from_responses(prompts, responses)

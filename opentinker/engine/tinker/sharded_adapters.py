@@ -32,7 +32,8 @@ from opentinker.engine.backend.fsdp import build_sharded_model, join_process_gro
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.placement import PLACEMENT_TIMEOUT_S
-from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Adapter, _Prepared
+from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Adapter, _joined, _Prepared
+from opentinker.engine.tinker.pass_plan import PassLimits
 
 log = logging.getLogger("opentinker.engine.tinker")
 
@@ -41,11 +42,11 @@ class AdapterRank(AdapterWorker):
     """One rank: a shard of the base, every adapter whole, its rows of each pass."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, options: BackendSpec,
-                 max_resident: int | None, offload_dir: str):
+                 max_resident: int | None, offload_dir: str, limits: PassLimits | None = None):
         self.rank, self.world_size, self.options = rank, world_size, options
         device, self.mesh = join_process_group(rank, world_size, master_addr, master_port, options.device)
         super().__init__(options.model_path, options.trust_remote_code, str(device), max_resident,
-                         str(Path(offload_dir) / f"rank{rank}"))
+                         str(Path(offload_dir) / f"rank{rank}"), limits)
 
     def _load_base(self, path: str, trust_remote_code: bool) -> torch.nn.Module:
         return build_sharded_model(self.options, self.rank, self.mesh, self.device, trainable=False)
@@ -54,23 +55,25 @@ class AdapterRank(AdapterWorker):
         """This rank's contiguous share of ``rows`` rows (as ``fsdp.shard_rows`` splits a batch)."""
         return round(self.rank * rows / self.world_size), round((self.rank + 1) * rows / self.world_size)
 
-    def _own_rows(self, group: list[_Prepared]) -> list[tuple[_Prepared, TokenBatch]]:
+    def _own_rows(self, group: list[_Prepared]) -> list[tuple[_Prepared, TokenBatch, list[int]]]:
         start, end = self._bounds(sum(len(item.batch) for item in group))
         parts = []
         offset = 0
         for item in group:
             low, high = max(start, offset) - offset, min(end, offset + len(item.batch)) - offset
             if high > low:
-                parts.append((item, item.batch if (low, high) == (0, len(item.batch)) else
-                              item.batch.select(range(low, high))))
+                whole = (low, high) == (0, len(item.batch))
+                parts.append((item, item.batch if whole else item.batch.select(range(low, high)),
+                              item.rows[low:high]))
             offset += len(item.batch)
         return parts
 
-    def _filler(self, group: list[_Prepared], train: bool) -> list[tuple[_Prepared, TokenBatch]]:
-        """A rank without rows in a pass still runs it (FSDP's collectives need every rank):
-        one row of a training request, whose result is dropped (its loss is not counted)."""
+    def _filler(self, group: list[_Prepared], train: bool) -> list[tuple[_Prepared, TokenBatch, list[int]]]:
+        """A rank without rows in a pass (or without training rows in a training pass) still
+        runs it (FSDP's collectives need every rank): one row, of a training request if the
+        pass trains, whose result is dropped (no rows of its own) and whose loss is not counted."""
         item = next((item for item in group if not item.call.forward_only), group[0]) if train else group[0]
-        return [(item, item.batch.select([0]))]
+        return [(item, item.batch.select([0]), [])]
 
     def _reduce_gradients(self, adapter: _Adapter) -> None:
         """Each rank holds the gradient of its own rows: the sum over ranks is the model's. A
@@ -110,8 +113,8 @@ class ShardedAdapterWorker:
     ``ranks`` :class:`AdapterRank` actors in a placement group."""
 
     def __init__(self, model_path: str | None, trust_remote_code: bool = False, device: str = "auto",
-                 max_resident: int | None = None, offload_dir: str | None = None, ranks: int = 2,
-                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
+                 max_resident: int | None = None, offload_dir: str | None = None,
+                 limits: PassLimits | None = None, ranks: int = 2, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import tempfile
 
         from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
@@ -121,7 +124,8 @@ class ShardedAdapterWorker:
         options = BackendSpec(model_path=path, pad_token_id=pad, strategy="fsdp", ranks=ranks, device=device,
                               trust_remote_code=trust_remote_code)
         folder = offload_dir or tempfile.mkdtemp(prefix="opentinker-adapters-")
-        self._group, self._ranks = place_ranks(AdapterRank, options, placement_timeout_s, max_resident, folder)
+        self._group, self._ranks = place_ranks(AdapterRank, options, placement_timeout_s, max_resident, folder,
+                                                  limits)
         self._limits = self._gather([rank.ready.remote() for rank in self._ranks])[0]
 
     def ready(self) -> dict[str, Any]:
@@ -175,15 +179,10 @@ class ShardedAdapterWorker:
 
 
 def _join_rows(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    """One request's result from each rank's share: its rows in rank order, summed metrics
-    (every Tinker metric is a sum). The same error on every rank (bad input is refused before
-    any pass, identically) is reported once."""
+    """One request's result from each rank's share: its rows in the request's order, summed
+    metrics (every Tinker metric is a sum). The same error on every rank (bad input is refused
+    before any pass, identically) is reported once."""
     if any("error" in outcome for outcome in outcomes):
         return next(outcome for outcome in outcomes if "error" in outcome)
-    outputs: list[Any] = []
-    metrics: dict[str, float] = {}
-    for outcome in outcomes:
-        outputs.extend(outcome["result"]["outputs"])
-        for key, value in outcome["result"]["metrics"].items():
-            metrics[key] = metrics.get(key, 0.0) + value
-    return {"result": {"outputs": outputs, "metrics": metrics}}
+    return {"result": _joined([(outcome["result"]["rows"], outcome["result"]) for outcome in outcomes],
+                              keep_rows=False)}

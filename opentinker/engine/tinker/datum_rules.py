@@ -1,0 +1,50 @@
+"""What a Tinker datum must be for the model it trains, checked without torch: the worker
+checks it when it builds a batch, and the shared worker's host checks a whole request before it
+cuts it into chunks (a chunk must never fail on a datum after others trained)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+#: Tinker's per-token input names -> the backend losses' names.
+INPUT_NAMES = {"weights": "weights", "logprobs": "old_logprobs", "advantages": "advantages",
+               "sequence_ratio_mask": "sequence_ratio_mask"}
+
+#: One datum as the server passes it: the model input's N token ids and the per-token inputs.
+Datum = tuple[np.ndarray, Mapping[str, np.ndarray]]
+
+
+class DatumError(ValueError):
+    """A datum the backend cannot train on as sent (a user error)."""
+
+
+def check_datum(index: int, tokens: Sequence[int], targets: Sequence[int], vocab_size: int | None,
+                context: int | None) -> None:
+    """:class:`DatumError` for a datum the model cannot take: more than its ``context``
+    positions (the N input tokens plus the last target), a token past its vocabulary, or
+    targets that are not next tokens."""
+    if context is not None and len(tokens) + 1 > context:
+        raise DatumError(f"data[{index}]: {len(tokens)} model input tokens (plus the last target: "
+                         f"{len(tokens) + 1} positions) are more than the model's context of {context} tokens")
+    if vocab_size is not None and max(list(tokens) + list(targets)) >= vocab_size:
+        raise DatumError(f"data[{index}]: token id {max(list(tokens) + list(targets))} is past the model's "
+                         f"vocabulary ({vocab_size} ids)")
+    if list(tokens[1:]) != list(targets[:-1]):
+        first = next(i for i in range(len(tokens) - 1) if tokens[i + 1] != targets[i])
+        raise DatumError(
+            f"data[{index}]: target_tokens[{first}] is {targets[first]} but model_input[{first + 1}] is "
+            f"{tokens[first + 1]}; this server trains next-token targets (target_tokens[i] == "
+            "model_input[i+1], the last target free)")
+
+
+def check_datums(data: Sequence[Datum], vocab_size: int | None, context: int | None) -> None:
+    """Every datum of a request, and that an optional input is on all datums or none."""
+    for index, (tokens, inputs) in enumerate(data):
+        check_datum(index, np.asarray(tokens).tolist(), np.asarray(inputs["target_tokens"]).tolist(),
+                    vocab_size, context)
+    for name in INPUT_NAMES:
+        present = [name in inputs for _, inputs in data]
+        if any(present) and not all(present):
+            raise DatumError(f"loss_fn_inputs[{name!r}] is on some datums but not all")

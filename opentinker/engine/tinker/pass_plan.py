@@ -1,0 +1,53 @@
+"""What one batched pass of the shared LoRA worker may cost, and how rows are cut to fit.
+
+A pass runs its rows padded to the longest one (rows of different adapters cannot be packed
+into one row: peft picks each row's adapter by its batch index). What it holds grows with the
+*padded* tokens, rows x the longest row (activations, logits: on the tiny model about 155 KB
+of memory per padded token in a training pass), and, where attention is computed as a dense
+matrix (a padding mask sends sdpa to its math kernel), with rows x longest^2 attention cells.
+Neither grows with the request's real tokens: 128 one-token rows beside one 1,023-token row
+pad to 132k tokens. So rows are sorted by length and cut into groups that stay within both
+bounds; a row alone always forms a group (its cost is bounded by the model's context).
+
+The host cuts a big ``forward_backward`` into chunks with the same rule (each chunk runs in
+its own cycle, so other users' requests are served between them), and the worker cuts a
+cycle into passes with it. Torch-free: the server process imports this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PassLimits:
+    """``tokens``: padded tokens (rows x the longest row); ``attention``: attention cells
+    (rows x the longest row squared)."""
+
+    tokens: int = 4096
+    attention: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.attention < 1:
+            raise ValueError(f"pass limits must be >= 1, got tokens={self.tokens}, attention={self.attention}")
+
+    def cost(self, rows: int, longest: int) -> float:
+        """The share of a full pass that ``rows`` rows padded to ``longest`` positions take."""
+        return max(rows * longest / self.tokens, rows * longest * longest / self.attention)
+
+    def rows_cost(self, lengths: Sequence[int]) -> float:
+        return self.cost(len(lengths), max(lengths)) if lengths else 0.0
+
+
+def cut_rows(lengths: Sequence[int], limits: PassLimits) -> list[list[int]]:
+    """The indices of ``lengths`` in groups that each fit ``limits``, longest rows first; rows
+    of similar length share a group (sorted, so each group pads to its own first row)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and limits.cost(len(groups[-1]) + 1, lengths[groups[-1][0]]) <= 1.0:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
