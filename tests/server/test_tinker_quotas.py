@@ -250,7 +250,7 @@ def _trained_logprobs(tc) -> np.ndarray:
 
 
 def _sampled_logprobs(service, path: str) -> np.ndarray:
-    sampler = service.create_sampling_client(model_path=path)
+    sampler = service.create_sampling_client(model_path=path).result()
     return np.asarray(sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:], dtype=float)
 
 
@@ -259,7 +259,7 @@ def test_a_snapshot_saved_again_under_a_deleted_name_serves_the_new_weights_and_
     import ray
 
     service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["bob"])
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-" + keys["bob"])
     tc = service.create_lora_training_client(base_model=TINY, rank=8, seed=3).result()
     _train_step(tc, 0)
 
