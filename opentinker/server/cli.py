@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--tinker-max-resident-adapters", type=int, default=None, metavar="N",
                         help="LoRA models kept in memory per base model's shared worker; the least recently used "
                              "others wait on disk and come back, unchanged, on their next request (default: all)")
+    tinker.add_argument("--tinker-pass-tokens", type=int, default=4096, metavar="N",
+                        help="padded tokens (rows x the longest row) one batched pass of a shared LoRA worker "
+                             "holds at most, and rows x longest^2 <= 1024 x N attention cells: the pass's memory "
+                             "(about 155 KB a token on the tiny model), whatever the requests' mix of lengths "
+                             "(default: %(default)s)")
+    tinker.add_argument("--tinker-cycle-tokens", type=int, default=1024, metavar="N",
+                        help="one user's share of each cycle of a shared LoRA worker, in the same units; bigger "
+                             "forward_backward calls run in chunks over several cycles, so a small request waits "
+                             "about one cycle whoever sends what (default: %(default)s)")
     tinker.add_argument("--tinker-max-models-per-user", type=int, default=4,
                         help="live training clients per user (default: %(default)s)")
     tinker.add_argument("--tinker-memory-gb", type=float, default=None, metavar="GB",
@@ -319,6 +328,8 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_max_pending_sample_tokens=args.tinker_max_pending_sample_tokens,
             tinker_sampler_max_rows=args.tinker_sampler_max_rows,
             tinker_max_resident_adapters=args.tinker_max_resident_adapters,
+            tinker_pass_tokens=args.tinker_pass_tokens,
+            tinker_cycle_tokens=args.tinker_cycle_tokens,
             tinker_sampler_max_tokens=args.tinker_sampler_max_tokens,
             tinker_sampler_adapter_cache_mb=args.tinker_sampler_adapter_cache_mb,
             tinker_max_lora_rank=args.tinker_max_lora_rank,

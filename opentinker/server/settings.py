@@ -92,6 +92,13 @@ class ServerSettings:
     # LoRA adapters each shared base worker keeps in memory; the least recently used others wait
     # on disk (under data_dir/tinker/offload) and come back on their next request. None: all.
     tinker_max_resident_adapters: int | None = None
+    # A shared base worker's batched pass holds at most this many padded tokens (rows x the
+    # longest row; about 155 KB each on the tiny model) and rows x longest^2 <= 1024 x this
+    # attention cells: its memory, whatever a request's mix of lengths (one row always fits).
+    tinker_pass_tokens: int = 4096
+    # One user's share of a shared worker's cycle, in the same units: every busy user gets one
+    # per cycle, so this bounds how long a small request waits behind others' big ones.
+    tinker_cycle_tokens: int = 1024
     # Admission by estimated model memory (weight files x 1.25 for LoRA, x 4 for full fine-tuning);
     # None: half of this machine's RAM.
     tinker_memory_gb: float | None = None
@@ -134,7 +141,8 @@ class ServerSettings:
                      "tinker_max_pending_sample_tokens", "tinker_sampler_max_rows", "tinker_sampler_max_tokens",
                      "tinker_max_models", "tinker_max_sessions_per_user", "tinker_max_queued_requests",
                      "tinker_max_queued_requests_per_user", "tinker_sampler_adapter_cache_mb", "tinker_max_lora_rank",
-                     "tinker_max_checkpoints", "tinker_max_checkpoint_ttl_s"):
+                     "tinker_max_checkpoints", "tinker_max_checkpoint_ttl_s", "tinker_pass_tokens",
+                     "tinker_cycle_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):

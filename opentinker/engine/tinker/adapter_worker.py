@@ -153,10 +153,13 @@ class AdapterWorker:
         return {"vocab_size": self.vocab_size, "context": self.context}
 
     def stats(self) -> dict[str, Any]:
+        import resource
+
         import psutil
 
         return {"models": len(self.adapters), "resident": list(self._resident), "passes": self.passes,
-                "largest_pass": list(self.largest_pass), "rss_bytes": psutil.Process().memory_info().rss}
+                "largest_pass": list(self.largest_pass), "rss_bytes": psutil.Process().memory_info().rss,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
 
     # -- the cycle --------------------------------------------------------------------
     def cycle(self, calls: Sequence[ForwardBackwardCall],

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import heapq
 import itertools
 import logging
+import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from opentinker.engine.tinker.datum_rules import DatumError, check_datums
+from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows
 from opentinker.server.jobs import ray_failure_reason
 from opentinker.server.tinker.futures import JSON, FutureTable
 from opentinker.server.tinker.state import TinkerState
@@ -115,21 +120,22 @@ class SharedAdapter:
     joins the base's queue before its first wait (the base keeps each model's requests in
     that order); ``calls_sent`` counts them."""
 
-    def __init__(self, base: "SharedBase", model_id: str):
+    def __init__(self, base: "SharedBase", model_id: str, user_id: int):
         self.base = base
         self.model_id = model_id
+        self.user_id = user_id
         self.calls_sent = 0
 
     def _op(self, method: str, *args: Any) -> asyncio.Future:
         self.calls_sent += 1
-        return self.base.op(method, self.model_id, *args)
+        return self.base.op(method, self.model_id, *args, user_id=self.user_id)
 
     async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
         from opentinker.engine.tinker.adapter_worker import ForwardBackwardCall
 
         self.calls_sent += 1
         return await self.base.forward_backward(
-            ForwardBackwardCall(self.model_id, data, loss_fn, dict(loss_config), forward_only))
+            ForwardBackwardCall(self.model_id, data, loss_fn, dict(loss_config), forward_only), self.user_id)
 
     async def optim_step(self, adam) -> dict[str, float]:
         return await self._op("optim_step", adam)
@@ -149,12 +155,15 @@ class SharedAdapter:
 
 @dataclass
 class _Waiting:
-    """A request for the shared worker: a forward/backward call or another operation."""
+    """A request for the shared worker: a forward/backward call (or a chunk of one) or another
+    operation."""
 
     model_id: str
+    user_id: int | None
     is_call: bool  # a ForwardBackwardCall (batched with the cycle's others), else (method, model_id, args)
     item: Any
     future: asyncio.Future
+    cost: float = 0.0  # of a full cycle share (CycleLimits): a call's padded tokens; 0 for other operations
 
 
 @dataclass
@@ -166,9 +175,16 @@ class _Cycle:
 
 class SharedBase:
     """One :class:`AdapterWorker` actor (a base model and its LoRA models) and the loop that
-    feeds it cycles: each cycle takes every request waiting, at most one per model and each
-    model's in its order, so every busy model is served once per cycle, whoever else is busy;
-    the cycle's forward/backward requests run as one batched pass in the worker.
+    feeds it cycles, fair between users: each cycle takes, of every user with work waiting, the
+    first waiting request of each of their models (each model's in its order) while that user's
+    share of the cycle stays within one ``cycle_limits`` (the first always), so every busy user
+    is served in every cycle, each with about the same work, however much they sent. A
+    ``forward_backward`` bigger than one share is cut into chunks of at most one share (rows of
+    similar length together, as the worker cuts passes), each in a cycle of its own; its loss is
+    a sum over rows, so its gradients and summed metrics are those of one call, and its result
+    is put back together in its rows' order. A small request thus waits for at most about one
+    cycle of bounded size, whoever else sends what. The cycle's forward/backward requests run
+    as batched passes in the worker.
 
     A cycle is sent when the worker is idle, or, while one runs, as soon as a request of a
     model in it is waiting (that one cannot join the running cycle anyway): Ray queues it at
@@ -179,6 +195,9 @@ class SharedBase:
         self.memory_bytes = memory_bytes  # the base's admission estimate, held while it lives
         self.actor: Any = None
         self.models: set[str] = set()
+        self.cycle_limits = PassLimits()
+        self.limits: dict[str, Any] = {}  # the model's vocabulary and context, from the worker
+        self.offload_dir: Path | None = None
         self._waiting: list[_Waiting] = []  # in arrival order
         self._cycles: list[_Cycle] = []  # sent to the worker, not settled
         self._wake = asyncio.Event()
@@ -187,9 +206,12 @@ class SharedBase:
         self.dead_error: BaseException | None = None  # the worker died: every later request fails with this
 
     async def start(self, model_path: str | None, trust_remote_code: bool, settings: "HostSettings") -> None:
-        offload = None if settings.offload_dir is None else str(
-            Path(settings.offload_dir) / f"base-{abs(hash(self.key)) % 10**8}-{id(self)}")
-        args = (model_path, trust_remote_code, settings.device, settings.max_resident_adapters, offload)
+        if settings.offload_dir is not None:  # one folder per base, cleared by the worker at its start
+            digest = hashlib.sha256(repr(self.key).encode()).hexdigest()[:16]
+            self.offload_dir = Path(settings.offload_dir) / f"base-{digest}"
+        self.cycle_limits = settings.cycle_limits
+        args = (model_path, trust_remote_code, settings.device, settings.max_resident_adapters,
+                None if self.offload_dir is None else str(self.offload_dir), settings.pass_limits)
         if settings.strategy == "fsdp":  # the base sharded over FSDP ranks (each rank asks for its own GPU)
             from opentinker.engine.tinker.sharded_adapters import ShardedAdapterWorker
 
@@ -200,14 +222,33 @@ class SharedBase:
 
             self.actor = ray.remote(AdapterWorker).options(num_cpus=0, num_gpus=_gpus(), max_concurrency=1).remote(
                 *args)
-        await await_ref(self.actor.ready.remote())
+        self.limits = await await_ref(self.actor.ready.remote())
         self._loop_task = asyncio.create_task(self._serve())
 
-    def forward_backward(self, call: Any) -> asyncio.Future:
-        return self._enqueue(call.model_id, True, call)
+    def forward_backward(self, call: Any, user_id: int | None = None) -> asyncio.Future:
+        """The call's result; a call bigger than one cycle share runs as chunks (see the class)."""
+        lengths = [len(tokens) + 1 for tokens, _ in call.data]  # N input tokens and the last target
+        groups = cut_rows(lengths, self.cycle_limits)
+        if len(groups) == 1:
+            return self._enqueue(call.model_id, user_id, True, call, self.cycle_limits.rows_cost(lengths))
+        future = asyncio.get_running_loop().create_future()
+        try:  # before any chunk trains: a chunk must not fail on a datum after others trained
+            check_datums(call.data, self.limits.get("vocab_size"), self.limits.get("context"))
+        except DatumError as error:
+            future.set_exception(UserError(str(error)))
+            return future
+        chunks = []
+        for rows in map(sorted, groups):
+            chunk = dataclasses.replace(call, data=[call.data[row] for row in rows])
+            chunks.append((rows, self._enqueue(call.model_id, user_id, True, chunk,
+                                               self.cycle_limits.rows_cost([lengths[row] for row in rows]))))
+        asyncio.ensure_future(_join_chunks(chunks, future))
+        # The caller gone (its model unloaded): the chunks not run yet are dropped.
+        future.add_done_callback(lambda done: done.cancelled() and [chunk.cancel() for _, chunk in chunks])
+        return future
 
-    def op(self, method: str, model_id: str, *args: Any) -> asyncio.Future:
-        return self._enqueue(model_id, False, (method, model_id, args))
+    def op(self, method: str, model_id: str, *args: Any, user_id: int | None = None) -> asyncio.Future:
+        return self._enqueue(model_id, user_id, False, (method, model_id, args))
 
     async def remove(self, model_id: str) -> None:
         self.models.discard(model_id)
@@ -216,21 +257,33 @@ class SharedBase:
         with contextlib.suppress(Exception):
             await self.op("remove_model", model_id)
 
-    def _enqueue(self, model_id: str, is_call: bool, item: Any) -> asyncio.Future:
+    def _enqueue(self, model_id: str, user_id: int | None, is_call: bool, item: Any,
+                 cost: float = 0.0) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         if self.dead_error is not None:
             future.set_exception(self.dead_error)
         else:
-            self._waiting.append(_Waiting(model_id, is_call, item, future))
+            self._waiting.append(_Waiting(model_id, user_id, is_call, item, future, cost))
             self._wake.set()
         return future
 
     def _take_cycle(self) -> list[_Waiting]:
-        """The first waiting request of each model; the rest wait for a later cycle."""
+        """Of each user, the first waiting request of each of their models, while the user's
+        share stays within one (their first is always taken); the rest wait for a later cycle.
+        Requests whose caller is gone (a model unloaded, a chunked call that failed) are dropped."""
         taken, later, models = [], [], set()
+        share: dict[int | None, float] = {}
         for request in self._waiting:
-            (later if request.model_id in models else taken).append(request)
-            models.add(request.model_id)
+            if request.future.done():
+                continue
+            user_share = share.get(request.user_id)
+            fits = user_share is None or user_share + request.cost <= 1.0
+            if request.model_id in models or not fits:
+                later.append(request)
+            else:
+                taken.append(request)
+                share[request.user_id] = (user_share or 0.0) + request.cost
+            models.add(request.model_id)  # a model's later requests wait behind this one
         self._waiting = later
         return taken
 
@@ -278,7 +331,10 @@ class SharedBase:
                         request.future.set_exception(self.dead_error)
                 self._waiting = []
             elif self._waiting and (running is None or any(r.model_id in running.models for r in self._waiting)):
-                sent = self._send(self._take_cycle())
+                requests = self._take_cycle()
+                if not requests:  # only callers that are gone were waiting
+                    continue
+                sent = self._send(requests)
                 if running is not None:  # the next one is formed once the worker has started this one
                     await running.task
                 running = sent
@@ -295,6 +351,33 @@ class SharedBase:
         if self.actor is not None:
             with contextlib.suppress(Exception):
                 ray.kill(self.actor, no_restart=True)
+        if self.offload_dir is not None:  # its models' offloaded adapters went with them
+            shutil.rmtree(self.offload_dir, ignore_errors=True)
+
+
+async def _join_chunks(chunks: list[tuple[list[int], asyncio.Future]], future: asyncio.Future) -> None:
+    """``future`` gets the chunks' results as one call's: outputs in the call's row order, metrics
+    summed (every Tinker metric is a sum); or the first chunk's failure, when the chunks not
+    started yet are dropped (their futures cancelled)."""
+    outputs: dict[int, Any] = {}
+    metrics: dict[str, float] = {}
+    try:
+        for rows, chunk in chunks:
+            result = await chunk
+            outputs.update(zip(rows, result["outputs"]))
+            for key, value in result["metrics"].items():
+                metrics[key] = metrics.get(key, 0.0) + value
+    except BaseException as error:  # noqa: BLE001 - reported to the caller
+        for _, chunk in chunks:
+            chunk.cancel()
+        if not future.done():
+            if isinstance(error, asyncio.CancelledError):
+                future.cancel()
+            else:
+                future.set_exception(error)
+        return
+    if not future.done():
+        future.set_result({"outputs": [outputs[row] for row in sorted(outputs)], "metrics": metrics})
 
 
 @dataclass(order=True)
@@ -395,7 +478,12 @@ class HostSettings:
     ranks: int = 1  # FSDP ranks of a shared LoRA base worker or a fully fine-tuned model
     max_resident_adapters: int | None = None  # per shared base worker; the rest wait on disk
     offload_dir: str | None = None  # where (None: a temporary folder)
-    # The sampler's batch caps (engine/tinker/sample_scheduler.SchedulerLimits fields); what may
+    # What one batched pass of a shared base worker may hold (its memory), and one user's share
+    # of a cycle (how long others wait behind it); both in padded tokens and attention cells.
+    pass_limits: PassLimits = field(default_factory=PassLimits)
+    cycle_limits: PassLimits = field(default_factory=lambda: PassLimits(tokens=1024, attention=1024 * 1024))
+    # The sampler's batch caps (engine/tinker/sample_scheduler.SchedulerLimits fields) and its
+    # LoRA adapter cache's bytes (adapter_cache_bytes, which TinkerSampler takes out); what may
     # wait for it is bounded per user by the API (TinkerSettings.max_pending_*).
     sampler_limits: dict[str, float] = field(default_factory=dict)
 
@@ -409,6 +497,8 @@ class TinkerHost:
         self._bases: dict[tuple[str | None, bool], SharedBase] = {}
         self._base_memory: dict[tuple[str | None, bool], int] = {}  # admitted, worker not made yet
         self._samplers: dict[str, asyncio.Future] = {}
+        if settings.offload_dir is not None:  # what workers of an earlier server process left there
+            shutil.rmtree(settings.offload_dir, ignore_errors=True)
 
     # -- models ------------------------------------------------------------------------
     def start_model(self, model_id: str, user_id: int, worker_spec: Any, request_id: str,
@@ -426,11 +516,11 @@ class TinkerHost:
             base.models.add(slot.model_id)  # from now on the worker stays up for it
             try:
                 await asyncio.shield(base.started)
-                await base.op("add_model", slot.model_id, worker_spec.lora_settings())
+                await base.op("add_model", slot.model_id, worker_spec.lora_settings(), user_id=slot.user_id)
             except BaseException:  # it failed, or the model was unloaded while it came up
                 await self._release(base, slot.model_id)
                 raise
-            slot.actor = SharedAdapter(base, slot.model_id)
+            slot.actor = SharedAdapter(base, slot.model_id, slot.user_id)
         else:
             from opentinker.engine.tinker.model_worker import TinkerModelWorker
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentinker.engine.tinker.pass_plan import PassLimits
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
@@ -366,8 +367,19 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
         host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
                           max_resident_adapters=settings.tinker_max_resident_adapters,
                           offload_dir=str(settings.data_dir / "tinker" / "offload"),
+                          pass_limits=pass_limits(settings.tinker_pass_tokens),
+                          cycle_limits=pass_limits(settings.tinker_cycle_tokens),
                           sampler_limits=sampler_limits(settings)),
     )
+
+
+#: The width at which a pass's attention cells bound (rows x longest^2) equals its padded tokens'.
+ATTENTION_WIDTH = 1024
+
+
+def pass_limits(tokens: int) -> PassLimits:
+    """``tokens`` padded tokens, and the attention of that many at a width of 1,024 positions."""
+    return PassLimits(tokens=tokens, attention=tokens * ATTENTION_WIDTH)
 
 
 def sampler_limits(settings: ServerSettings) -> dict[str, int]:
