@@ -497,7 +497,11 @@ def test_the_sdk_learns_of_finished_samples_from_one_poll_per_session(server, ke
     futures = [sampler.sample(prompt=types.ModelInput.from_ints(TOKENS[:4]), num_samples=2,
                               sampling_params=types.SamplingParams(max_tokens=4, seed=i)) for i in range(12)]
     results = [future.result() for future in futures]
-    assert all(len(r.sequences) == 2 and all(len(s.tokens) == 4 for s in r.sequences) for r in results)
+    # Four tokens each, or fewer ending at the end-of-sequence token (which the tiny model, as
+    # built on a given machine, may sample early: its SFT is not bit-reproducible across machines).
+    assert all(len(r.sequences) == 2 for r in results)
+    assert all(len(s.tokens) == 4 or (0 < len(s.tokens) < 4 and s.stop_reason == "stop")
+               for r in results for s in r.sequences)
     # The session poller (client_config sample_use_retrieve_futures) asked, for one session,
     # with a cursor that moves on.
     assert polls and len({p[0] for p in polls}) == 1 and {p[1] for p in polls} == {0}
