@@ -111,7 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "forward_backward calls run in chunks over several cycles, so a small request waits "
                              "about one cycle whoever sends what (default: %(default)s)")
     tinker.add_argument("--tinker-max-models-per-user", type=int, default=4,
-                        help="live training clients per user (default: %(default)s)")
+                        help="training clients in use per user; an idle LoRA model (see --tinker-idle-model-s) "
+                             "does not count (default: %(default)s)")
+    tinker.add_argument("--tinker-idle-model-s", type=float, default=60.0, metavar="S",
+                        help="a LoRA model with no request for this long is idle: it waits (on disk with "
+                             "--tinker-max-resident-adapters) and its next request brings it back; it counts "
+                             "against the memory budget only (default: %(default)s)")
+    tinker.add_argument("--tinker-max-idle-models-per-user", type=int, default=16,
+                        help="idle LoRA models kept per user (default: %(default)s)")
     tinker.add_argument("--tinker-memory-gb", type=float, default=None, metavar="GB",
                         help="memory the live training clients may take together, by an estimate from the model's "
                              "weight files (x1.25 LoRA, x4 full fine-tuning); past it create_model answers 429 "
@@ -319,6 +326,8 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_strategy=args.tinker_strategy,
             tinker_ranks=args.tinker_ranks,
             tinker_max_models_per_user=args.tinker_max_models_per_user,
+            tinker_idle_model_s=args.tinker_idle_model_s,
+            tinker_max_idle_models_per_user=args.tinker_max_idle_models_per_user,
             tinker_max_models=args.tinker_max_models,
             tinker_memory_gb=args.tinker_memory_gb,
             tinker_max_sessions_per_user=args.tinker_max_sessions,

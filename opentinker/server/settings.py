@@ -87,7 +87,9 @@ class ServerSettings:
     # The Tinker API (/api/v1): how its models run and how long its sessions and results live.
     tinker_strategy: str = "local"  # each model's backend: local (one process) | fsdp
     tinker_ranks: int = 1  # FSDP ranks per shared LoRA base / fully fine-tuned model (tinker_strategy=fsdp)
-    tinker_max_models_per_user: int = 4  # live training clients per user
+    tinker_max_models_per_user: int = 4  # training clients in use per user (idle LoRA models not counted)
+    tinker_idle_model_s: float = 60.0  # a LoRA model without requests this long is idle (it waits, uncounted)
+    tinker_max_idle_models_per_user: int = 16  # idle LoRA models kept per user (their adapters: memory or disk)
     tinker_max_models: int = 8  # live training clients on the server, whoever's (429 past it)
     # LoRA adapters each shared base worker keeps in memory; the least recently used others wait
     # on disk (under data_dir/tinker/offload) and come back on their next request. None: all.
@@ -142,7 +144,7 @@ class ServerSettings:
                      "tinker_max_models", "tinker_max_sessions_per_user", "tinker_max_queued_requests",
                      "tinker_max_queued_requests_per_user", "tinker_sampler_adapter_cache_mb", "tinker_max_lora_rank",
                      "tinker_max_checkpoints", "tinker_max_checkpoint_ttl_s", "tinker_pass_tokens",
-                     "tinker_cycle_tokens"):
+                     "tinker_cycle_tokens", "tinker_max_idle_models_per_user"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
@@ -163,7 +165,7 @@ class ServerSettings:
         if not 0 < self.tinker_long_poll_s < 45:
             raise ValueError(f"tinker_long_poll_s must be in (0, 45) (the SDK's read timeout), got {self.tinker_long_poll_s}")
         for name in ("event_poll_s", "client_idle_timeout_s", "endpoint_check_timeout_s", "env_check_budget_s",
-                     "tinker_session_timeout_s",
+                     "tinker_session_timeout_s", "tinker_idle_model_s",
                      "dashboard_session_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -409,7 +409,7 @@ def test_the_server_admits_models_up_to_its_cap_and_memory_budget_whoever_asks(s
         for raw, session_id in ((carol, carol_session), (dave, dave_session)):
             refused = _create_model(raw, session_id, 2)
             assert refused.status_code == 429
-            assert refused.json()["error"].startswith("the server is full: 2 live Tinker models")
+            assert refused.json()["error"].startswith("the server is full: 2 Tinker models in use")
 
         # Once a model is unloaded the next one is admitted (and comes up).
         first_model = _result(carol, first.json()["request_id"]).json()["model_id"]

@@ -146,3 +146,29 @@ def test_a_small_request_is_served_while_a_big_one_runs_in_chunks_that_train_as_
     np.testing.assert_allclose(probe(big_client), probe(apart_client), atol=1e-5)
     carol.close("success").result()
     dave.close("success").result()
+
+
+def test_an_idle_lora_model_waits_instead_of_refusing_the_users_next_script(start_server, tmp_path, helpers):
+    # The audit: an SDK process that exits leaves its session and models live for the session
+    # timeout (the SDK does not end it), so back-to-back scripts hit the per-user model cap.
+    key = helpers.make_user(tmp_path, "erin")
+    live = start_server(tmp_path, tinker_max_models_per_user=1, tinker_idle_model_s=1.0,
+                        tinker_max_idle_models_per_user=1)
+    first_script = tinker.ServiceClient(base_url=live.url, api_key="tml-" + key)
+    first = first_script.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
+    steps(first, 1, seed=1)
+    first_probe = probe(first)
+    second_script = tinker.ServiceClient(base_url=live.url, api_key="tml-" + key)
+    with pytest.raises(Exception, match="models in use"):  # still in use a moment ago
+        second_script.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    time.sleep(1.5)
+    second = second_script.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    assert steps(second, 1, seed=2)[0] > 0
+    time.sleep(1.5)  # both idle now: one idle model is all this user may keep
+    with pytest.raises(Exception, match="idle LoRA models"):
+        second_script.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()
+    # The idle model comes back on its next request as it was, and trains on.
+    np.testing.assert_array_equal(probe(first), first_probe)
+    assert steps(first, 1, seed=2)[0] > 0
+    first_script.close("success").result()
+    second_script.close("success").result()

@@ -31,6 +31,7 @@ import heapq
 import itertools
 import logging
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,6 +415,16 @@ class ModelSlot:
         self._changed = asyncio.Event()
         self.handed_over: dict[str, asyncio.Task] = {}  # by request id: with the worker, not finished
         self.task: asyncio.Task | None = None
+        self.last_used = time.monotonic()  # when a request last came or finished
+
+    def idle_for(self) -> float:
+        """Seconds since the model last had a request waiting or running (0 while it has one)."""
+        return 0.0 if self.pending else time.monotonic() - self.last_used
+
+    @property
+    def is_adapter(self) -> bool:
+        """A LoRA model in its base's shared worker (an adapter there, not a process of its own)."""
+        return isinstance(self.actor, SharedAdapter)
 
     @property
     def next_seq(self) -> int:
@@ -440,6 +451,7 @@ class ModelSlot:
     def push(self, seq_id: int | None, request_id: str, run: Operation) -> None:
         # No seq_id (a caller other than the SDK): in arrival order, after what is ready to run.
         heapq.heappush(self._heap, _Op(seq_id if seq_id is not None else 0, next(self._arrivals), request_id, run))
+        self.last_used = time.monotonic()
         self._changed.set()
 
     def skip(self, seq_id: int) -> None:
@@ -625,6 +637,7 @@ class TinkerHost:
             return
         finally:
             slot.handed_over.pop(op.request_id, None)
+            slot.last_used = time.monotonic()
         self.futures.resolve(op.request_id, payload, content_type)
         self.state.touch_model(slot.model_id)
 

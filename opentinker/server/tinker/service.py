@@ -51,8 +51,13 @@ class TinkerSettings:
     session_timeout_s: float = 300.0  # a session with no heartbeat for this long ends (the SDK beats every 10 s)
     long_poll_s: float = 25.0  # retrieve_future holds this long before try_again (the SDK gives up at 45 s)
     keep_ephemeral: int = 4  # ephemeral sampler snapshots kept per model
-    max_models_per_user: int = 4  # live models (each one a worker holding a copy of its weights)
-    max_models: int = 8  # live models on the server, whoever's (429 past it)
+    max_models_per_user: int = 4  # live models in use (a fully fine-tuned one: a worker with a copy of its weights)
+    max_models: int = 8  # live models in use on the server, whoever's (429 past it)
+    # A LoRA model on a shared base with no request for this long is idle: an adapter that waits
+    # (on disk, with --tinker-max-resident-adapters) and counts against neither cap above, only
+    # against max_idle_models_per_user and the memory budget (its adapter's estimate).
+    idle_model_s: float = 60.0
+    max_idle_models_per_user: int = 16
     memory_budget_bytes: int | None = None  # admission by estimated model memory (None: not checked)
     max_sessions_per_user: int = 32  # active sessions (400 past it: only the user can end them)
     keep_ended_sessions: int = 1000  # per user; older ended sessions are forgotten with their samplers
@@ -150,8 +155,16 @@ class TinkerService:
 
         return str(tiny_model_dir())
 
-    def live_models(self, user_id: int) -> int:
-        return sum(1 for slot in self.host.live_models() if slot.user_id == user_id)
+    def is_idle(self, slot: Any) -> bool:
+        return slot.is_adapter and slot.idle_for() >= self.settings.idle_model_s
+
+    def models_in_use(self, user_id: int | None = None) -> list[Any]:
+        """Live models (of ``user_id``, or everyone's) but idle LoRA adapters."""
+        return [slot for slot in self.host.live_models()
+                if (user_id is None or slot.user_id == user_id) and not self.is_idle(slot)]
+
+    def idle_models(self, user_id: int) -> int:
+        return sum(1 for slot in self.host.live_models() if slot.user_id == user_id and self.is_idle(slot))
 
     def max_lora_rank(self, served: ServedModel) -> tuple[int, str]:
         """The largest LoRA rank a model of ``served`` may have, and why (for the refusal)."""
@@ -197,11 +210,11 @@ class TinkerService:
             raise UserError(f"a {kind} model of {served.name} needs about {_gib(estimate + base)} (an estimate from "
                             f"its weight files), more than this server's whole Tinker memory budget of {_gib(budget)}"
                             + reserved + ("; a LoRA model needs less (lora_config)" if not lora else ""))
-        live = self.host.live_models()
-        if len(live) >= settings.max_models:
-            raise ServerFull(f"the server is full: {len(live)} live Tinker models, the most it runs at once "
-                             "(--tinker-max-models); retry when one is unloaded")
-        used = sum(slot.memory_bytes for slot in live) + self.host.base_memory_bytes() + reserve
+        in_use = self.models_in_use()
+        if len(in_use) >= settings.max_models:
+            raise ServerFull(f"the server is full: {len(in_use)} Tinker models in use, the most it runs at once "
+                             "(--tinker-max-models); retry when one is unloaded or idle")
+        used = sum(slot.memory_bytes for slot in self.host.live_models()) + self.host.base_memory_bytes() + reserve
         if budget is not None and used + estimate + base > budget:
             raise ServerFull(f"the server's memory for Tinker models is full: {_gib(used)} of {_gib(budget)} is "
                              f"taken (estimated){reserved} and a {kind} model of {served.name} needs about "
@@ -354,6 +367,7 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
     return TinkerSettings(
         session_timeout_s=settings.tinker_session_timeout_s, long_poll_s=settings.tinker_long_poll_s,
         keep_ephemeral=settings.tinker_keep_ephemeral, max_models_per_user=settings.tinker_max_models_per_user,
+        idle_model_s=settings.tinker_idle_model_s, max_idle_models_per_user=settings.tinker_max_idle_models_per_user,
         max_models=settings.tinker_max_models, memory_budget_bytes=budget,
         max_sessions_per_user=settings.tinker_max_sessions_per_user,
         max_queued_per_model=settings.tinker_max_queued_requests,

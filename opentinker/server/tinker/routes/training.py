@@ -55,10 +55,17 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
             raise not_found(f"session {session_id!r}")
         row, _ = svc.futures.create(user.id, kind, model_id, 0)
         return row.submit_answer()
-    if svc.live_models(user.id) >= svc.settings.max_models_per_user:
-        raise user_error(f"you have {svc.settings.max_models_per_user} live models, the most this server allows "
-                          "per user (--tinker-max-models-per-user); end a ServiceClient session (or unload a model) "
-                          "first")
+    settings = svc.settings
+    if len(svc.models_in_use(user.id)) >= settings.max_models_per_user:
+        raise user_error(f"you have {settings.max_models_per_user} models in use, the most this server allows per "
+                          "user (--tinker-max-models-per-user); end a ServiceClient session or unload a model first "
+                          f"(a LoRA model unused for {settings.idle_model_s:g} s is idle and does not count)")
+    idle = svc.idle_models(user.id)
+    if idle and len(svc.models_in_use(user.id)) + idle >= settings.max_models_per_user + settings.max_idle_models_per_user:
+        raise user_error(f"you have {idle} idle LoRA models, and this server keeps at most "
+                          f"{settings.max_idle_models_per_user} per user besides those in use "
+                          "(--tinker-max-idle-models-per-user); end the ServiceClient sessions that made them or "
+                          "unload some first")
     served = svc.served_model(base_model)
     rank = int(spec.get("lora_rank") or 0)
     max_rank, why = svc.max_lora_rank(served)
