@@ -24,7 +24,10 @@ Checks (``--only`` picks some):
   weights and each row's KV cache at the measured bandwidth); then the compiled decode
   (``compile_decode=True``) against it on 64 rows (``benchmarks/compiled_decode.py``).
 * ``adapters``: the Tinker multi-tenant worker, 4 LoRA models on one 0.5B base, one batched
-  forward_backward + optim_step of all four.
+  forward_backward + optim_step of all four; then each model's request of mixed row lengths
+  (one row of 1,024 tokens and 31 of 16: padded to one pass that would be 32 x 1,024), the
+  passes cut by padded tokens (``pass_plan``): peak GPU memory over the idle worker per real
+  token.
 * ``grpo`` / ``gae``: a few steps of the quickstart's GRPO (and of PPO with a critic) on the
   tiny model with ``trainer.device=cuda``: the recipe end to end on the GPU.
 """
@@ -208,9 +211,12 @@ def check_adapters(state: dict) -> None:
 
     from opentinker.engine.backend.lora import LoraSettings
     from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
+    from opentinker.engine.tinker.pass_plan import PassLimits
 
     free_memory()
-    worker = AdapterWorker(state["folder"], device="cuda")
+    # A GPU server's --tinker-pass-tokens: 16,384 padded tokens a pass (the first cycle below is
+    # one pass of 16 x 513).
+    worker = AdapterWorker(state["folder"], device="cuda", limits=PassLimits(16_384, 16_384 * 1024))
     models = [f"user{i}" for i in range(4)]
     for i, model in enumerate(models):
         worker.add_model(model, LoraSettings(32, 64.0, "all-linear", seed=i))
@@ -236,6 +242,27 @@ def check_adapters(state: dict) -> None:
     tokens = len(models) * 4 * 512
     row("adapters", "4 LoRA models x 4 rows x 512 on one base", f"{seconds:.2f} s/cycle, {tokens / seconds:,.0f} tok/s")
     row("adapters", "peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+    def mixed():  # per model: one row of 1,024 tokens and 31 of 16
+        return [*datums(1, 1024), *datums(31, 16)]
+
+    gc.collect()
+    torch.cuda.synchronize()
+    idle = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    passes, worker.largest_pass = worker.passes, (0, 0)
+    start = time.perf_counter()
+    results, done = worker.cycle([ForwardBackwardCall(m, mixed(), "cross_entropy") for m in models],
+                                 [("optim_step", m, (adam,)) for m in models])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if any("result" not in r for r in [*results, *done]):
+        raise RuntimeError(f"mixed-length adapter cycle failed: {[*results, *done]}")
+    real = len(models) * (1024 + 31 * 16)
+    peak = torch.cuda.max_memory_allocated() - idle
+    row("adapters", f"mixed lengths: 4 x (1 x 1024 + 31 x 16), {worker.passes - passes} passes "
+        f"(largest {worker.largest_pass[0]:,} padded tokens)",
+        f"{seconds:.2f} s/cycle, peak +{peak / 2**30:.2f} GiB = {peak / real / 2**10:,.0f} KiB per real token")
 
 
 def run_recipe(check: str, overrides: list[str]) -> None:

@@ -2,6 +2,7 @@
 
     python benchmarks/multi_tenant.py [--ks 1,2,4,8] [--seconds 20] [--rank 8]
                                       [--compare-with 13349a7 | none] [--fsdp-ranks N]
+    python benchmarks/multi_tenant.py --hostile [--ks 4] [--seconds 30]
 
 For each K, a fresh ``opentinker-server serve`` (its own local Ray, the embedded tiny model,
 a fresh data folder) and K users, each with one official ``tinker`` SDK client in a thread of
@@ -15,6 +16,13 @@ warm-up step, then ``forward_backward`` + ``optim_step`` back to back for ``--se
   marginal cost against the K=1 run, made and trained);
 - aggregate steps/s, each client's p50 / p99 step latency (worst client shown), and the
   fairness ratio most / least steps per client.
+
+``--hostile``: K users training as above, with and without one more, hostile user who, in a
+loop, creates a LoRA model, sends the largest legal mixed-length ``forward_backward`` (1,024
+datums: half of one token, half of 1,023 tokens, the context's limit) and unloads the model a
+few seconds later, mid-request. Printed side by side: every normal user's steps (all must
+succeed and their loss move), their p99 step latency and the server's peak RSS (sampled every
+0.2 s), and the ratios (goals on 2 cores: p99 within 5x, peak RSS within +1 GiB).
 
 ``--worker-only``: the shared worker alone in this process, to tell a model's own state from
 the batched pass's activations in the RSS it adds.
@@ -61,8 +69,35 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def client_worker(url: str, keys: list[str], rank: int, seconds: float) -> dict:
-    """The child process: one SDK client per key in its own thread."""
+def hostile_user(url: str, key: str, stop: threading.Event, counts: dict) -> None:
+    """Creates a LoRA model, sends the largest legal mixed-length forward_backward, unloads the
+    model a few seconds later (mid-request), again, until ``stop``."""
+    import httpx
+    import tinker
+    from tinker import types
+
+    def datum(length: int, salt: int) -> types.Datum:
+        tokens = [1 + (salt * 31 + j * 17) % 900 for j in range(length + 1)]
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
+
+    big = [datum(1 if i % 2 else 1023, i) for i in range(1024)]  # the SDK's chunk: 1,024 datums
+    service = tinker.ServiceClient(base_url=url, api_key="tml-" + key)
+    with httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": "tml-" + key}, timeout=60,
+                      trust_env=False) as raw:
+        while not stop.is_set():
+            training = service.create_lora_training_client(base_model=TINY, rank=64, seed=counts["models"]).result()
+            counts["models"] += 1
+            training.forward_backward(big, "cross_entropy")  # not waited for: it is unloaded mid-way
+            counts["requests"] += 1
+            stop.wait(5.0)
+            raw.post("/unload_model", json={"model_id": training.model_id}).raise_for_status()
+    service.close("success").result()
+
+
+def client_worker(url: str, keys: list[str], rank: int, seconds: float, hostile_key: str | None = None) -> dict:
+    """The child process: one SDK client per key in its own thread (and, with ``hostile_key``,
+    a hostile user in another)."""
     import tinker
     from tinker import types
 
@@ -83,16 +118,16 @@ def client_worker(url: str, keys: list[str], rank: int, seconds: float) -> dict:
         training.optim_step(adam).result()
         made.wait(600)
         go.wait()
-        latencies = []
+        latencies, losses = [], []
         while time.monotonic() < stop_at[0]:
             start = time.perf_counter()
             fb = training.forward_backward(data, "cross_entropy")
             step = training.optim_step(adam)
-            fb.result()
+            losses.append(fb.result().metrics["loss:sum"])
             step.result()
             latencies.append(time.perf_counter() - start)
         made.wait(600)  # everyone stops before anyone leaves (their models count in the RSS)
-        results[index] = {"latencies": latencies}
+        results[index] = {"latencies": latencies, "losses": losses}
         made.wait(600)
         service.close("success").result()
 
@@ -103,32 +138,62 @@ def client_worker(url: str, keys: list[str], rank: int, seconds: float) -> dict:
     print("ready", flush=True)
     sys.stdin.readline()  # the parent measured the RSS with the models made
     stop_at[0] = time.monotonic() + seconds
+    stop_hostile, hostile_counts = threading.Event(), {"models": 0, "requests": 0}
+    if hostile_key:
+        attacker = threading.Thread(target=hostile_user, args=(url, hostile_key, stop_hostile, hostile_counts),
+                                    daemon=True)
+        attacker.start()
     go.set()
     made.wait(seconds + 600)
+    stop_hostile.set()
+    if hostile_key:
+        attacker.join(300)
     print("stopped", flush=True)
     sys.stdin.readline()  # the parent measured the RSS after training
     made.wait(600)
     for thread in threads:
         thread.join(120)
-    return {"clients": results}
+    return {"clients": results, "hostile": hostile_counts}
 
 
-def run_k(code: Path, k: int, rank: int, seconds: float, flags: tuple[str, ...] = ()) -> dict:
-    server = BenchServer(code, "--tinker-max-models", str(max(8, k)), *flags)
+class PeakRSS:
+    """The most the server's process tree held, sampled every 0.2 s while in the block."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+
+    def __enter__(self) -> PeakRSS:
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, tree_rss(self.pid))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_k(code: Path, k: int, rank: int, seconds: float, flags: tuple[str, ...] = (), hostile: bool = False) -> dict:
+    server = BenchServer(code, "--tinker-max-models", str(max(8, k + 1)), *flags)
     keys = [server.new_key(f"user{i}") for i in range(k)]
+    hostile_key = [server.new_key("hostile")] if hostile else []
     child = None
     try:
         server.start()
         time.sleep(3)  # Ray's own processes settle
         idle = tree_rss(server.process.pid)
         child = subprocess.Popen([sys.executable, __file__, "--client-worker", server.url, ",".join(keys), str(rank),
-                                  str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=env(ROOT))
+                                  str(seconds), *hostile_key], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env=env(ROOT))
         _expect(child, "ready")
         made = tree_rss(server.process.pid)
         child.stdin.write("go\n")
         child.stdin.flush()
-        _expect(child, "stopped")
+        with PeakRSS(server.process.pid) as peak:
+            _expect(child, "stopped")
         trained = tree_rss(server.process.pid)
         child.stdin.write("done\n")
         child.stdin.flush()
@@ -141,6 +206,8 @@ def run_k(code: Path, k: int, rank: int, seconds: float, flags: tuple[str, ...] 
     latencies = [c["latencies"] for c in result["clients"]]
     steps = [len(lat) for lat in latencies]
     return {"k": k, "idle_rss": idle, "made_rss": made, "trained_rss": trained, "steps": steps,
+            "peak_rss": max(peak.peak, trained), "hostile": result["hostile"],
+            "loss_moved": [len(c["losses"]) > 1 and c["losses"][0] != c["losses"][-1] for c in result["clients"]],
             "steps_per_s": sum(steps) / seconds,
             "p50": [statistics.median(lat) for lat in latencies],
             "p99": [sorted(lat)[min(len(lat) - 1, int(0.99 * len(lat)))] for lat in latencies],
@@ -217,6 +284,28 @@ def show(label: str, rows: list[dict]) -> None:
               f"{r['fairness']:8.2f}", flush=True)
 
 
+def hostile_run(k: int, rank: int, seconds: float) -> None:
+    """K normal users with and without a hostile one, side by side (the two runs alternate,
+    twice)."""
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(2):
+        for hostile in (False, True):
+            print(f"[multi_tenant] K={k}, {'with' if hostile else 'without'} the hostile user", flush=True)
+            runs[hostile].append(run_k(ROOT, k, rank, seconds, hostile=hostile))
+    gib = 2**30
+    print(f"\n{k} normal users, {seconds:g} s a run; p99 = the worst normal user's")
+    print("  run              steps  all trained  p50 (worst)  p99 (worst)  peak RSS   hostile models / requests")
+    for hostile in (False, True):
+        for r in runs[hostile]:
+            print(f"  {'with hostile' if hostile else 'alone':<15} {sum(r['steps']):6d}  {str(all(r['loss_moved'])):>11}  "
+                  f"{max(r['p50']) * 1000:8.0f} ms  {max(r['p99']) * 1000:8.0f} ms  {r['peak_rss'] / gib:6.2f} GiB  "
+                  f"{r['hostile']['models']} / {r['hostile']['requests']}", flush=True)
+    for alone, attacked in zip(runs[False], runs[True]):
+        print(f"  ratio: p99 x{max(attacked['p99']) / max(alone['p99']):.2f} (goal <= 5), peak RSS "
+              f"{(attacked['peak_rss'] - alone['peak_rss']) / gib:+.2f} GiB (goal <= +1), steps "
+              f"x{sum(attacked['steps']) / max(1, sum(alone['steps'])):.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", default="1,2,4,8")
@@ -227,14 +316,19 @@ def main() -> int:
                         help="also run this tree with the shared base on N FSDP ranks (0: not)")
     parser.add_argument("--worker-only", action="store_true",
                         help="only the shared worker's memory per model, in this process (the largest K)")
-    parser.add_argument("--client-worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--hostile", action="store_true",
+                        help="K normal users (the largest of --ks) with and without a hostile one, side by side")
+    parser.add_argument("--client-worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_only:
         worker_memory(max(int(k) for k in args.ks.split(",")), args.rank)
         return 0
     if args.client_worker:
-        url, keys, rank, seconds = args.client_worker
-        print(json.dumps(client_worker(url, keys.split(","), int(rank), float(seconds))), flush=True)
+        url, keys, rank, seconds, *hostile_key = args.client_worker
+        print(json.dumps(client_worker(url, keys.split(","), int(rank), float(seconds), *hostile_key)), flush=True)
+        return 0
+    if args.hostile:
+        hostile_run(max(int(k) for k in args.ks.split(",")), args.rank, args.seconds)
         return 0
     ks = [int(k) for k in args.ks.split(",")]
     print(f"[multi_tenant] K = {ks}, {args.seconds:g} s each, LoRA rank {args.rank}, tiny model on "
