@@ -25,7 +25,7 @@ Checks (``--only`` picks some):
   (``compile_decode=True``) against it on 64 rows (``benchmarks/compiled_decode.py``).
 * ``adapters``: the Tinker multi-tenant worker, 4 LoRA models on one 0.5B base, one batched
   forward_backward + optim_step of all four; then each model's request of mixed row lengths
-  (one row of 1,024 tokens and 31 of 16: padded to one pass that would be 32 x 1,024), the
+  (one row of 1,000 tokens and 31 of 16: padded to one pass that would be 32 x 1,000), the
   passes cut by padded tokens (``pass_plan``): peak GPU memory over the idle worker per real
   token.
 * ``grpo`` / ``gae``: a few steps of the quickstart's GRPO (and of PPO with a critic) on the
@@ -243,8 +243,8 @@ def check_adapters(state: dict) -> None:
     row("adapters", "4 LoRA models x 4 rows x 512 on one base", f"{seconds:.2f} s/cycle, {tokens / seconds:,.0f} tok/s")
     row("adapters", "peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
-    def mixed():  # per model: one row of 1,024 tokens and 31 of 16
-        return [*datums(1, 1024), *datums(31, 16)]
+    def mixed():  # per model: one row of 1,000 tokens and 31 of 16
+        return [*datums(1, 1000), *datums(31, 16)]
 
     gc.collect()
     torch.cuda.synchronize()
@@ -258,9 +258,9 @@ def check_adapters(state: dict) -> None:
     seconds = time.perf_counter() - start
     if any("result" not in r for r in [*results, *done]):
         raise RuntimeError(f"mixed-length adapter cycle failed: {[*results, *done]}")
-    real = len(models) * (1024 + 31 * 16)
+    real = len(models) * (1000 + 31 * 16)
     peak = torch.cuda.max_memory_allocated() - idle
-    row("adapters", f"mixed lengths: 4 x (1 x 1024 + 31 x 16), {worker.passes - passes} passes "
+    row("adapters", f"mixed lengths: 4 x (1 x 1000 + 31 x 16), {worker.passes - passes} passes "
         f"(largest {worker.largest_pass[0]:,} padded tokens)",
         f"{seconds:.2f} s/cycle, peak +{peak / 2**30:.2f} GiB = {peak / real / 2**10:,.0f} KiB per real token")
 

@@ -82,8 +82,9 @@ def test_rows_are_cut_into_groups_of_similar_length_within_the_limits():
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     assert groups[0] == [40]  # the long row alone: 2 x 60 would pass 64 padded tokens
     for group in groups:
-        longest = max(lengths[i] for i in group)
+        longest, shortest = max(lengths[i] for i in group), min(lengths[i] for i in group)
         assert len(group) == 1 or (len(group) * longest <= 64 and len(group) * longest ** 2 <= 64 * 64)
+        assert 2 * shortest >= longest  # padding at most doubles a group's tokens
     assert [lengths[g[0]] for g in groups] == sorted((lengths[g[0]] for g in groups), reverse=True)
 
 

@@ -41,13 +41,17 @@ class PassLimits:
 
 
 def cut_rows(lengths: Sequence[int], limits: PassLimits) -> list[list[int]]:
-    """The indices of ``lengths`` in groups that each fit ``limits``, longest rows first; rows
-    of similar length share a group (sorted, so each group pads to its own first row)."""
+    """The indices of ``lengths`` in groups that each fit ``limits``, longest rows first. Rows
+    are sorted, so each group pads to its own first row, and a row joins a group only if it is
+    at least half that long: padding at most doubles a group's tokens (short rows beside a long
+    one would fit the memory bound and still cost the long row's compute each)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for index in order:
-        if groups and limits.cost(len(groups[-1]) + 1, lengths[groups[-1][0]]) <= 1.0:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
+        if groups:
+            longest = lengths[groups[-1][0]]
+            if 2 * lengths[index] >= longest and limits.cost(len(groups[-1]) + 1, longest) <= 1.0:
+                groups[-1].append(index)
+                continue
+        groups.append([index])
     return groups
