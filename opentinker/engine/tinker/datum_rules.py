@@ -20,19 +20,21 @@ class DatumError(ValueError):
     """A datum the backend cannot train on as sent (a user error)."""
 
 
-def check_datum(index: int, tokens: Sequence[int], targets: Sequence[int], vocab_size: int | None,
-                context: int | None) -> None:
+def check_datum(index: int, tokens: Sequence[int] | np.ndarray, targets: Sequence[int] | np.ndarray,
+                vocab_size: int | None, context: int | None) -> None:
     """:class:`DatumError` for a datum the model cannot take: more than its ``context``
     positions (the N input tokens plus the last target), a token past its vocabulary, or
-    targets that are not next tokens."""
+    targets that are not next tokens. (Array operations: a request may hold 1M tokens.)"""
+    tokens, targets = np.asarray(tokens), np.asarray(targets)
     if context is not None and len(tokens) + 1 > context:
         raise DatumError(f"data[{index}]: {len(tokens)} model input tokens (plus the last target: "
                          f"{len(tokens) + 1} positions) are more than the model's context of {context} tokens")
-    if vocab_size is not None and max(list(tokens) + list(targets)) >= vocab_size:
-        raise DatumError(f"data[{index}]: token id {max(list(tokens) + list(targets))} is past the model's "
-                         f"vocabulary ({vocab_size} ids)")
-    if list(tokens[1:]) != list(targets[:-1]):
-        first = next(i for i in range(len(tokens) - 1) if tokens[i + 1] != targets[i])
+    top = max(int(tokens.max(initial=0)), int(targets.max(initial=0)))
+    if vocab_size is not None and top >= vocab_size:
+        raise DatumError(f"data[{index}]: token id {top} is past the model's vocabulary ({vocab_size} ids)")
+    mismatch = np.flatnonzero(tokens[1:] != targets[:len(tokens) - 1])
+    if mismatch.size:
+        first = int(mismatch[0])
         raise DatumError(
             f"data[{index}]: target_tokens[{first}] is {targets[first]} but model_input[{first + 1}] is "
             f"{tokens[first + 1]}; this server trains next-token targets (target_tokens[i] == "
@@ -42,8 +44,7 @@ def check_datum(index: int, tokens: Sequence[int], targets: Sequence[int], vocab
 def check_datums(data: Sequence[Datum], vocab_size: int | None, context: int | None) -> None:
     """Every datum of a request, and that an optional input is on all datums or none."""
     for index, (tokens, inputs) in enumerate(data):
-        check_datum(index, np.asarray(tokens).tolist(), np.asarray(inputs["target_tokens"]).tolist(),
-                    vocab_size, context)
+        check_datum(index, tokens, inputs["target_tokens"], vocab_size, context)
     for name in INPUT_NAMES:
         present = [name in inputs for _, inputs in data]
         if any(present) and not all(present):

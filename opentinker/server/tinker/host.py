@@ -362,18 +362,23 @@ async def _join_chunks(chunks: list[tuple[list[int], asyncio.Future]], future: a
     started yet are dropped (their futures cancelled)."""
     outputs: dict[int, Any] = {}
     metrics: dict[str, float] = {}
+    ran = 0
     try:
         for rows, chunk in chunks:
             result = await chunk
             outputs.update(zip(rows, result["outputs"]))
             for key, value in result["metrics"].items():
                 metrics[key] = metrics.get(key, 0.0) + value
+            ran += 1
     except BaseException as error:  # noqa: BLE001 - reported to the caller
         for _, chunk in chunks:
             chunk.cancel()
         if not future.done():
             if isinstance(error, asyncio.CancelledError):
                 future.cancel()
+            elif ran and type(error) in (UserError, RuntimeError):  # the worker's answer: say what trained
+                future.set_exception(type(error)(f"{error} (in chunk {ran + 1} of {len(chunks)} of this request; "
+                                                 f"the {ran} before it trained: their gradients are accumulated)"))
             else:
                 future.set_exception(error)
         return
