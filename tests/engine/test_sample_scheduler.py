@@ -65,10 +65,12 @@ class Harness:
         raise AssertionError("the scheduler did not finish")
 
 
-def assert_model_logprobs(model, prompt, completions, atol=1e-4):
+def assert_model_logprobs(model, prompt, completions, atol=3e-4):
     """Each completion's logprobs are the model's, from one plain forward pass over prompt +
-    completion: moving rows between batches (and weights in and out) changed no number. (Cached
-    decoding and a full pass round differently: plain ``generate`` is 4e-5 off at 120 tokens.)"""
+    completion: moving rows between batches (and weights in and out) changed no number (a wrong
+    row or weight is off by 0.1 and more). Cached decoding and a full pass round differently:
+    plain ``generate`` was 4e-5 off at 120 tokens, and 1.5e-4 in a venv installed on 2026-11-27
+    (the same test at b6b8209 too: the packages' kernels, not this code)."""
     with torch.no_grad():
         ids = torch.tensor([prompt + c.token_ids for c in completions])
         logits = model(input_ids=ids).logits[:, len(prompt) - 1:-1].float()
