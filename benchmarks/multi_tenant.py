@@ -3,6 +3,7 @@
     python benchmarks/multi_tenant.py [--ks 1,2,4,8] [--seconds 20] [--rank 8]
                                       [--compare-with 13349a7 | none] [--fsdp-ranks N]
     python benchmarks/multi_tenant.py --hostile [--ks 4] [--seconds 30]
+    python benchmarks/multi_tenant.py --chunking
 
 For each K, a fresh ``opentinker-server serve`` (its own local Ray, the embedded tiny model,
 a fresh data folder) and K users, each with one official ``tinker`` SDK client in a thread of
@@ -23,6 +24,11 @@ datums: half of one token, half of 1,023 tokens, the context's limit) and unload
 few seconds later, mid-request. Printed side by side: every normal user's steps (all must
 succeed and their loss move), their p99 step latency and the server's peak RSS (sampled every
 0.2 s), and the ratios (goals on 2 cores: p99 within 5x, peak RSS within +1 GiB).
+
+``--chunking``: what cutting a big request into cycle shares costs a user alone: one client's
+``forward_backward`` of 64 rows x 255 tokens (16 shares of 1,024 padded tokens) + ``optim_step``
+on a default server and on one with ``--tinker-cycle-tokens 100000`` (one cycle), the two
+servers in turn, twice; median seconds per step.
 
 ``--worker-only``: the shared worker alone in this process, to tell a model's own state from
 the batched pass's activations in the RSS it adds.
@@ -306,6 +312,43 @@ def hostile_run(k: int, rank: int, seconds: float) -> None:
               f"x{sum(attacked['steps']) / max(1, sum(alone['steps'])):.2f}")
 
 
+def chunking_run(steps: int = 4) -> None:
+    """A user alone with a big request: chunked over cycles (the default) against one cycle."""
+    import tinker
+    from tinker import types
+
+    def datum(row: int, length: int = 255) -> types.Datum:
+        tokens = [1 + (row * 7 + j * 13) % 900 for j in range(length + 1)]
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
+
+    data = [datum(row) for row in range(64)]
+    sides = {"chunked (--tinker-cycle-tokens 1024)": (), "one cycle (--tinker-cycle-tokens 100000)":
+             ("--tinker-cycle-tokens", "100000")}
+    times: dict[str, list[float]] = {label: [] for label in sides}
+    for _ in range(2):
+        for label, flags in sides.items():
+            server = BenchServer(ROOT, *flags)
+            key = server.new_key("user")
+            try:
+                server.start()
+                service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
+                training = service.create_lora_training_client(base_model=TINY, rank=8, seed=1).result()
+                training.forward_backward(data[:4], "cross_entropy").result()  # warm-up
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    training.forward_backward(data, "cross_entropy").result()
+                    training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+                    times[label].append(time.perf_counter() - start)
+                service.close("success").result()
+            finally:
+                server.stop()
+    chunked, whole = (statistics.median(t) for t in times.values())
+    for label, values in times.items():
+        print(f"  {label}: median {statistics.median(values):.2f} s a step of 64 x 255 tokens")
+    print(f"  chunked / one cycle: x{chunked / whole:.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", default="1,2,4,8")
@@ -318,6 +361,8 @@ def main() -> int:
                         help="only the shared worker's memory per model, in this process (the largest K)")
     parser.add_argument("--hostile", action="store_true",
                         help="K normal users (the largest of --ks) with and without a hostile one, side by side")
+    parser.add_argument("--chunking", action="store_true",
+                        help="a user alone: a big forward_backward chunked over cycles against one cycle")
     parser.add_argument("--client-worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_only:
@@ -326,6 +371,9 @@ def main() -> int:
     if args.client_worker:
         url, keys, rank, seconds, *hostile_key = args.client_worker
         print(json.dumps(client_worker(url, keys.split(","), int(rank), float(seconds), *hostile_key)), flush=True)
+        return 0
+    if args.chunking:
+        chunking_run()
         return 0
     if args.hostile:
         hostile_run(max(int(k) for k in args.ks.split(",")), args.rank, args.seconds)
