@@ -216,7 +216,7 @@ def check_adapters(state: dict) -> None:
     free_memory()
     # A GPU server's --tinker-pass-tokens: 16,384 padded tokens a pass (the first cycle below is
     # one pass of 16 x 513).
-    worker = AdapterWorker(state["folder"], device="cuda", limits=PassLimits(16_384, 16_384 * 1024))
+    worker = AdapterWorker(state["folder"], device="cuda", limits=PassLimits.for_tokens(16_384))
     models = [f"user{i}" for i in range(4)]
     for i, model in enumerate(models):
         worker.add_model(model, LoraSettings(32, 64.0, "all-linear", seed=i))

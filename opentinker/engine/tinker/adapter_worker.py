@@ -48,7 +48,7 @@ from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
-from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows
+from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
 from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger("opentinker.engine.tinker")
@@ -320,7 +320,7 @@ class AdapterWorker:
                         results[piece.index] = _error(single)
         for index, parts in pieces.items():
             if results[index] is None:
-                results[index] = {"result": _joined(parts, keep_rows=self.world_size > 1)}
+                results[index] = {"result": join_pieces(parts, keep_rows=self.world_size > 1)}
         return results  # type: ignore[return-value]
 
     def _passes(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
@@ -371,9 +371,9 @@ class AdapterWorker:
             logprobs, entropy = self.scorer(model, combined, 1.0, any(needs_entropy.values()),
                                             entropy_grad=any(needs_entropy.values()))
             self.passes += 1
-            rows, longest = len(combined), max(len(p) + len(r) for p, r in zip(combined.prompt_ids,
-                                                                                combined.response_ids))
-            self.largest_pass = tuple(map(max, self.largest_pass, (rows * longest, rows * longest * longest)))
+            count, longest = len(combined), max(len(p) + len(r) for p, r in zip(combined.prompt_ids,
+                                                                                 combined.response_ids))
+            self.largest_pass = tuple(map(max, self.largest_pass, (count * longest, count * longest * longest)))
             total = None
             outcomes = []
             start = 0
@@ -503,23 +503,6 @@ class AdapterWorker:
         for adapter in self.adapters.values():
             if adapter.offloaded is not None:
                 adapter.offloaded.unlink(missing_ok=True)
-
-
-def _joined(parts: list[tuple[list[int], dict[str, Any]]], keep_rows: bool) -> dict[str, Any]:
-    """A call's result from the pieces its passes computed: outputs back in its rows' order,
-    metrics summed (every Tinker metric is a sum). ``keep_rows``: a rank of the sharded worker
-    holds some rows only and says which (the driver interleaves the ranks' rows)."""
-    rows = [row for piece_rows, _ in parts for row in piece_rows]
-    outputs = [output for _, outcome in parts for output in outcome["outputs"]]
-    metrics: dict[str, float] = {}
-    for _, outcome in parts:
-        for key, value in outcome["metrics"].items():
-            metrics[key] = metrics.get(key, 0.0) + value
-    order = sorted(range(len(rows)), key=rows.__getitem__)
-    result: dict[str, Any] = {"outputs": [outputs[i] for i in order], "metrics": metrics}
-    if keep_rows:
-        result["rows"] = [rows[i] for i in order]
-    return result
 
 
 _OPS = {"add_model", "remove_model", "optim_step", "save_state", "load_state", "save_sampler_weights"}

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+#: The width at which a pass's attention-cell bound (rows x longest^2) equals its padded tokens'.
+ATTENTION_WIDTH = 1024
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,12 @@ class PassLimits:
     (rows x the longest row squared)."""
 
     tokens: int = 4096
-    attention: int = 4 * 1024 * 1024
+    attention: int = 4096 * ATTENTION_WIDTH
+
+    @classmethod
+    def for_tokens(cls, tokens: int) -> PassLimits:
+        """``tokens`` padded tokens, and the attention of that many at a width of 1,024 positions."""
+        return cls(tokens=tokens, attention=tokens * ATTENTION_WIDTH)
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.attention < 1:
@@ -55,3 +64,21 @@ def cut_rows(lengths: Sequence[int], limits: PassLimits) -> list[list[int]]:
                 continue
         groups.append([index])
     return groups
+
+
+def join_pieces(pieces: Sequence[tuple[Sequence[int], dict[str, Any]]], keep_rows: bool = False) -> dict[str, Any]:
+    """One call's result from the results of its pieces (``(row indices, {"outputs",
+    "metrics"})`` each: the passes, chunks or ranks it was spread over): outputs back in the
+    call's row order, metrics added (every Tinker metric is a sum). ``keep_rows``: the result
+    says which rows it holds (a rank's share, interleaved with the other ranks' later)."""
+    rows = [row for piece_rows, _ in pieces for row in piece_rows]
+    outputs = [output for _, result in pieces for output in result["outputs"]]
+    metrics: dict[str, float] = {}
+    for _, result in pieces:
+        for key, value in result["metrics"].items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    joined: dict[str, Any] = {"outputs": [outputs[i] for i in order], "metrics": metrics}
+    if keep_rows:
+        joined["rows"] = [rows[i] for i in order]
+    return joined

@@ -32,8 +32,8 @@ from opentinker.engine.backend.fsdp import build_sharded_model, join_process_gro
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.placement import PLACEMENT_TIMEOUT_S
-from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Adapter, _joined, _Prepared
-from opentinker.engine.tinker.pass_plan import PassLimits
+from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Adapter, _Prepared
+from opentinker.engine.tinker.pass_plan import PassLimits, join_pieces
 
 log = logging.getLogger("opentinker.engine.tinker")
 
@@ -184,5 +184,4 @@ def _join_rows(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     before any pass, identically) is reported once."""
     if any("error" in outcome for outcome in outcomes):
         return next(outcome for outcome in outcomes if "error" in outcome)
-    return {"result": _joined([(outcome["result"]["rows"], outcome["result"]) for outcome in outcomes],
-                              keep_rows=False)}
+    return {"result": join_pieces([(outcome["result"]["rows"], outcome["result"]) for outcome in outcomes])}

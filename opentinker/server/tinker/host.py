@@ -41,7 +41,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from opentinker.engine.tinker.datum_rules import DatumError, check_datums
-from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows
+from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
 from opentinker.server.jobs import ray_failure_reason
 from opentinker.server.tinker.futures import JSON, FutureTable
 from opentinker.server.tinker.state import TinkerState
@@ -164,7 +164,7 @@ class _Waiting:
     is_call: bool  # a ForwardBackwardCall (batched with the cycle's others), else (method, model_id, args)
     item: Any
     future: asyncio.Future
-    cost: float = 0.0  # of a full cycle share (CycleLimits): a call's padded tokens; 0 for other operations
+    cost: float = 0.0  # a call's share of a cycle (HostSettings.cycle_limits); 0 for other operations
 
 
 @dataclass
@@ -360,19 +360,14 @@ async def _join_chunks(chunks: list[tuple[list[int], asyncio.Future]], future: a
     """``future`` gets the chunks' results as one call's: outputs in the call's row order, metrics
     summed (every Tinker metric is a sum); or the first chunk's failure, when the chunks not
     started yet are dropped (their futures cancelled)."""
-    outputs: dict[int, Any] = {}
-    metrics: dict[str, float] = {}
-    ran = 0
+    results = []
     try:
         for rows, chunk in chunks:
-            result = await chunk
-            outputs.update(zip(rows, result["outputs"]))
-            for key, value in result["metrics"].items():
-                metrics[key] = metrics.get(key, 0.0) + value
-            ran += 1
+            results.append((rows, await chunk))
     except BaseException as error:  # noqa: BLE001 - reported to the caller
         for _, chunk in chunks:
             chunk.cancel()
+        ran = len(results)
         if not future.done():
             if isinstance(error, asyncio.CancelledError):
                 future.cancel()
@@ -383,7 +378,7 @@ async def _join_chunks(chunks: list[tuple[list[int], asyncio.Future]], future: a
                 future.set_exception(error)
         return
     if not future.done():
-        future.set_result({"outputs": [outputs[row] for row in sorted(outputs)], "metrics": metrics})
+        future.set_result(join_pieces(results))
 
 
 @dataclass(order=True)
@@ -497,8 +492,8 @@ class HostSettings:
     offload_dir: str | None = None  # where (None: a temporary folder)
     # What one batched pass of a shared base worker may hold (its memory), and one user's share
     # of a cycle (how long others wait behind it); both in padded tokens and attention cells.
-    pass_limits: PassLimits = field(default_factory=PassLimits)
-    cycle_limits: PassLimits = field(default_factory=lambda: PassLimits(tokens=1024, attention=1024 * 1024))
+    pass_limits: PassLimits = field(default_factory=lambda: PassLimits.for_tokens(4096))
+    cycle_limits: PassLimits = field(default_factory=lambda: PassLimits.for_tokens(1024))
     # The sampler's batch caps (engine/tinker/sample_scheduler.SchedulerLimits fields) and its
     # LoRA adapter cache's bytes (adapter_cache_bytes, which TinkerSampler takes out); what may
     # wait for it is bounded per user by the API (TinkerSettings.max_pending_*).

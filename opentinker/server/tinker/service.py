@@ -381,19 +381,10 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
         host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
                           max_resident_adapters=settings.tinker_max_resident_adapters,
                           offload_dir=str(settings.data_dir / "tinker" / "offload"),
-                          pass_limits=pass_limits(settings.tinker_pass_tokens),
-                          cycle_limits=pass_limits(settings.tinker_cycle_tokens),
+                          pass_limits=PassLimits.for_tokens(settings.tinker_pass_tokens),
+                          cycle_limits=PassLimits.for_tokens(settings.tinker_cycle_tokens),
                           sampler_limits=sampler_limits(settings)),
     )
-
-
-#: The width at which a pass's attention cells bound (rows x longest^2) equals its padded tokens'.
-ATTENTION_WIDTH = 1024
-
-
-def pass_limits(tokens: int) -> PassLimits:
-    """``tokens`` padded tokens, and the attention of that many at a width of 1,024 positions."""
-    return PassLimits(tokens=tokens, attention=tokens * ATTENTION_WIDTH)
 
 
 def sampler_limits(settings: ServerSettings) -> dict[str, int]:

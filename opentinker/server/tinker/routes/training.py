@@ -56,12 +56,13 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
         row, _ = svc.futures.create(user.id, kind, model_id, 0)
         return row.submit_answer()
     settings = svc.settings
-    if len(svc.models_in_use(user.id)) >= settings.max_models_per_user:
+    in_use = len(svc.models_in_use(user.id))
+    if in_use >= settings.max_models_per_user:
         raise user_error(f"you have {settings.max_models_per_user} models in use, the most this server allows per "
                           "user (--tinker-max-models-per-user); end a ServiceClient session or unload a model first "
                           f"(a LoRA model unused for {settings.idle_model_s:g} s is idle and does not count)")
     idle = svc.idle_models(user.id)
-    if idle and len(svc.models_in_use(user.id)) + idle >= settings.max_models_per_user + settings.max_idle_models_per_user:
+    if idle and in_use + idle >= settings.max_models_per_user + settings.max_idle_models_per_user:
         raise user_error(f"you have {idle} idle LoRA models, and this server keeps at most "
                           f"{settings.max_idle_models_per_user} per user besides those in use "
                           "(--tinker-max-idle-models-per-user); end the ServiceClient sessions that made them or "
