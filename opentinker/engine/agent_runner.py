@@ -82,11 +82,15 @@ class AgentLoopRunner:
 
     def probe_health(self, urls: Sequence[str], timeout_s: float) -> dict[str, str | None]:
         """``GET {url}/health`` of each env server, concurrently: ``{url: None}`` when it answered
-        2xx, else the error text. Run on the loops' own event loop, like the env calls."""
+        2xx, else the error text. Run on the loops' own event loop, like the env calls, and by the
+        route of the interaction that names the server (a relayed one through the job's client)."""
+        owners = {url: interaction for interaction in self.interactions.values()
+                  for url in getattr(interaction, "endpoints", dict)()}
 
         async def probe(url: str) -> str | None:
             try:
-                await check_endpoint(url, timeout_s)
+                owner = owners.get(url)
+                await (owner.check_health(url, timeout_s) if owner is not None else check_endpoint(url, timeout_s))
             except EnvironmentServerError as error:
                 return str(error)
             return None
@@ -150,7 +154,7 @@ def environment_metrics(rollout) -> dict[str, float]:
     return metrics
 
 
-_PROTOCOL_PATHS = ("reset", "step", "finalize", "health")
+_PROTOCOL_PATHS = ("reset", "step", "finalize", "health", "ws", "schema")
 _MAX_ENDPOINTS_NAMED = 5
 
 

@@ -1,4 +1,4 @@
-"""The HTTP calls of :class:`~.gym_interaction.GymEnvironmentInteraction`, on aiohttp.
+"""The direct route of env calls (:class:`DirectTransport`), on aiohttp.
 
 Why aiohttp and not httpx (the client package's library): an agent-loop step sends three calls
 per episode (reset, step, finalize), all of a step's episodes at once, and httpx's connection
@@ -7,42 +7,22 @@ it hands out. ``benchmarks/env_calls.py`` (128 episodes against a local env serv
 384 calls cost 1.55 s of client CPU through httpx, 0.21 s through this module. Only the
 trainer's side imports it; the thin client does not need aiohttp.
 
-Every call ends in an :class:`Answer` (any status) or one of two errors: :class:`NoAnswer`
-(the connection failed or broke, or a timeout passed: worth a retry) and :class:`BadAnswer`
-(an answer that cannot be used: too large, or not HTTP). A URL aiohttp cannot send to is a
-ValueError. Redirects are never followed and proxy settings never read from the environment.
+What a call raises is the transport contract's (:mod:`opentinker.environments.transport`):
+:class:`NoAnswer` or :class:`BadAnswer`, and ValueError for a URL aiohttp cannot send to.
+Redirects are never followed and proxy settings never read from the environment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-#: The largest answer body read from an env server; a larger one is a :class:`BadAnswer`.
-MAX_ANSWER_BYTES = 16 << 20
+from opentinker.environments.transport import MAX_ANSWER_BYTES, Answer, BadAnswer, NoAnswer
 
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    content_type: str
-    body: bytes
-
-    def json(self) -> Any:
-        """The body as JSON (ValueError when it is not)."""
-        return json.loads(self.body)
-
-
-class NoAnswer(Exception):
-    """No answer came: the connection failed or broke, or ``timeout_s`` passed."""
-
-
-class BadAnswer(Exception):
-    """An answer came that cannot be used (larger than :data:`MAX_ANSWER_BYTES`, not HTTP)."""
+__all__ = ["MAX_ANSWER_BYTES", "Answer", "BadAnswer", "DirectTransport", "NoAnswer", "new_session", "request"]
 
 
 def new_session(timeout_s: float, max_connections: int) -> aiohttp.ClientSession:
@@ -85,3 +65,97 @@ async def request(session: aiohttp.ClientSession, method: str, url: str, timeout
         raise NoAnswer(f"{type(exc).__name__}: {exc or 'connection failed'}") from exc
     except aiohttp.ClientError as exc:
         raise BadAnswer(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _join(base: str, path: str) -> str:
+    return base.rstrip("/") + "/" + path.lstrip("/")
+
+
+class _DirectSession:
+    """One aiohttp WebSocket connection (see :class:`~opentinker.environments.transport.EnvSession`)."""
+
+    def __init__(self, socket: aiohttp.ClientWebSocketResponse):
+        self._socket = socket
+
+    async def exchange(self, message: dict[str, Any], timeout_s: float) -> Any:
+        try:
+            await self._socket.send_str(json.dumps(message))
+            received = await self._socket.receive(timeout=timeout_s)
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise NoAnswer(f"no message within {timeout_s:g}s") from exc
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as exc:  # RuntimeError: sent on a closing socket
+            raise NoAnswer(f"the session broke ({type(exc).__name__}: {exc})") from exc
+        if received.type == aiohttp.WSMsgType.TEXT:
+            try:
+                return json.loads(received.data)
+            except ValueError as exc:
+                raise BadAnswer(f"a message that is not JSON ({len(received.data)} characters)") from exc
+        if received.type == aiohttp.WSMsgType.ERROR and isinstance(received.data, aiohttp.WebSocketError) \
+                and received.data.code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+            raise BadAnswer(f"a message larger than {MAX_ANSWER_BYTES} bytes")
+        if received.type == aiohttp.WSMsgType.BINARY:
+            raise BadAnswer(f"a binary message ({len(received.data)} bytes) where JSON text was due")
+        raise NoAnswer(f"the session was closed by the env server ({received.type.name.lower()})")
+
+    async def close(self) -> None:
+        try:
+            await self._socket.close()
+        except Exception:  # closing must never raise
+            pass
+
+
+class DirectTransport:
+    """Env calls sent from this process, on one aiohttp session per event loop.
+
+    A session's pooled connections belong to the event loop that opened them; used from a
+    new loop, a new session is made (the old loop is gone with its sockets).
+    """
+
+    def __init__(self, timeout_s: float, max_connections: int):
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def describe(self, base: str) -> str:
+        return base
+
+    async def _current(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            if self._session is not None and not self._session.closed:
+                await forget(self._session)
+            self._session = new_session(self.timeout_s, self.max_connections)
+            self._loop = loop
+        return self._session
+
+    async def request(self, method: str, base: str, path: str, timeout_s: float, body: Any = None) -> Answer:
+        return await request(await self._current(), method, _join(base, path), timeout_s, body)
+
+    async def open_session(self, base: str, path: str, timeout_s: float) -> _DirectSession:
+        url = "ws" + _join(base, path)[len("http"):]  # http -> ws, https -> wss
+        session = await self._current()
+        try:
+            socket = await session.ws_connect(
+                url, max_msg_size=MAX_ANSWER_BYTES, autoping=True, heartbeat=None,
+                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
+            )
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status in (502, 503, 504):
+                raise NoAnswer(f"WebSocket handshake answered HTTP {exc.status}") from exc
+            raise BadAnswer(f"WebSocket handshake answered HTTP {exc.status}") from exc
+        except aiohttp.InvalidURL as exc:
+            raise ValueError(f"invalid URL ({exc})") from exc
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise NoAnswer(f"timed out after {timeout_s:g}s opening a session") from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise NoAnswer(f"{type(exc).__name__}: {exc or 'connection failed'}") from exc
+        return _DirectSession(socket)
+
+    async def aclose(self) -> None:
+        session, loop, self._session, self._loop = self._session, self._loop, None, None
+        if session is not None and not session.closed:
+            if loop is asyncio.get_running_loop():
+                await session.close()
+            else:
+                await forget(session)

@@ -64,11 +64,13 @@ from opentinker.environments.interaction import (
     InteractionContext,
     last_assistant_content,
 )
+from opentinker.environments.relay import RelayTransport, relay_mode
+from opentinker.environments.transport import BadAnswer, NoAnswer
 
 if TYPE_CHECKING:
-    from opentinker.environments.env_http import Answer
+    from opentinker.environments.transport import Answer, EnvTransport
 
-__all__ = ["GymEnvironmentInteraction", "check_endpoint", "shard_urls"]
+__all__ = ["GymEnvironmentInteraction", "check_endpoint", "env_route", "shard_urls"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,19 +136,51 @@ def shard_urls(
 
 
 async def check_endpoint(url: str, timeout_s: float = 5.0) -> None:
-    """GET ``{url}/health``; raise :class:`EnvironmentServerError` naming the URL unless it answers 2xx."""
-    from opentinker.environments import env_http  # aiohttp: the trainer's side only
+    """GET ``{url}/health`` from this process; raise :class:`EnvironmentServerError` naming the
+    URL unless it answers 2xx."""
+    from opentinker.environments.env_http import DirectTransport  # aiohttp: the trainer's side only
 
-    health = _join(url, "health")
+    transport = DirectTransport(timeout_s, 1)
     try:
-        async with env_http.new_session(timeout_s, 1) as session:
-            answer = await env_http.request(session, "GET", health, timeout_s)
-    except (env_http.NoAnswer, env_http.BadAnswer, ValueError) as exc:
+        await probe_health(transport, url, timeout_s)
+    finally:
+        await transport.aclose()
+
+
+def env_route(config: dict[str, Any], context: InteractionContext, *, timeout_s: float,
+              max_connections: int) -> tuple[list[str], EnvTransport]:
+    """An env interaction's servers (normalised base URLs) and the route its calls take.
+
+    Direct (the default): every URL must pass the operator's endpoint policy, and the calls
+    go out from this process. ``"relay": "client"``: the URLs are the user's own (on the
+    machine of the job's client, which carries the calls), so no policy applies to them; the
+    server must allow relays (``context.relay_refusal``).
+    """
+    relayed = relay_mode(config.get("relay"))
+    if relayed and context.relay_refusal is not None:
+        raise ValueError(f"relay: {context.relay_refusal}")
+    shards = shard_urls(config.get("env_endpoint"), config.get("env_shards"), max_shards=context.max_env_shards,
+                        policy=None if relayed else context.endpoint_policy)
+    if relayed:
+        return shards, RelayTransport(context.relay, str(config.get("name", "")), shards)
+    from opentinker.environments.env_http import DirectTransport  # aiohttp: the trainer's side only
+
+    return shards, DirectTransport(timeout_s, max_connections)
+
+
+async def probe_health(transport: EnvTransport, base: str, timeout_s: float) -> None:
+    """``GET {base}/health`` over ``transport``: EnvironmentServerError naming the URL unless it answers 2xx."""
+    health = _join(transport.describe(base), "health")
+    try:
+        answer = await transport.request("GET", base, "health", timeout_s)
+    except (NoAnswer, BadAnswer, ValueError) as exc:
         raise EnvironmentServerError(
             health, f"unreachable ({exc or 'no detail'}); is the environment server running?",
+            unreachable=isinstance(exc, NoAnswer),
         ) from exc
     if not 200 <= answer.status < 300:
-        raise EnvironmentServerError(health, f"health check answered HTTP {answer.status}")
+        raise EnvironmentServerError(health, f"health check answered HTTP {answer.status}",
+                                     unreachable=answer.status in _UNAVAILABLE_STATUSES)
 
 
 def _bounded(config: dict[str, Any], key: str, default: float, low: float, high: float, *,
@@ -267,21 +301,19 @@ class GymEnvironmentInteraction(Interaction):
         job_id: sent to the server unless the row's interaction kwargs give one; the
             context's job id, when it has one, replaces both.
         max_connections: connection pool size, 256, in [1, 1024].
+        relay: ``"client"``: the env servers are on the machine of the job's client, which
+            carries the calls (no connection from the server; see ``environments/relay.py``).
 
     Requests never read proxy settings from the environment and never follow redirects.
     """
 
     config_keys = frozenset({"env_endpoint", "env_shards", "max_steps", "observation_template", "timeout_s",
-                             "retries", "backoff_s", "max_connections", "env_kwargs", "trust_env", "job_id"})
+                             "retries", "backoff_s", "max_connections", "env_kwargs", "trust_env", "job_id", "relay"})
 
     def __init__(self, config: dict[str, Any], context: InteractionContext | None = None):
         super().__init__(config)
         context = context or InteractionContext()
         cfg = self.config
-        self.shards: list[str] = shard_urls(
-            cfg.get("env_endpoint"), cfg.get("env_shards"),
-            max_shards=context.max_env_shards, policy=context.endpoint_policy,
-        )
         self.max_steps: int = _bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
         self.observation_template = _checked_template(cfg.get("observation_template", "{observation}"))
         self.timeout_s: float = _bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
@@ -298,8 +330,9 @@ class GymEnvironmentInteraction(Interaction):
         self._job_id_fixed = context.job_id is not None
         self.job_id: str | None = context.job_id if self._job_id_fixed else _job_id(cfg.get("job_id"), "job_id")
         self._instances: dict[str, _Instance] = {}
-        self._client: Any = None  # an aiohttp session (env_http.new_session), made on first use
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self.shards, self._transport = env_route(cfg, context, timeout_s=self.timeout_s,
+                                                 max_connections=self.max_connections)
+        self.relayed = isinstance(self._transport, RelayTransport)
 
     @classmethod
     def create(
@@ -311,34 +344,9 @@ class GymEnvironmentInteraction(Interaction):
 
     # HTTP plumbing ---------------------------------------------------------------------
 
-    async def _session(self) -> Any:
-        """The shared HTTP session, created on first use in the running event loop.
-
-        A session's pooled connections belong to one event loop; if the interaction is
-        used from a new loop, a new session is made (the old loop is gone with its sockets).
-        Redirects are never followed (one could lead to a host the endpoint policy never
-        checked) and proxy settings never read from the environment.
-        """
-        from opentinker.environments import env_http
-
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client.closed or self._client_loop is not loop:
-            if self._client is not None and not self._client.closed:
-                await env_http.forget(self._client)
-            self._client = env_http.new_session(self.timeout_s, self.max_connections)
-            self._client_loop = loop
-        return self._client
-
     async def aclose(self) -> None:
-        """Close the HTTP session (the interaction can still be used; a new one is made)."""
-        client, loop, self._client, self._client_loop = self._client, self._client_loop, None, None
-        if client is not None and not client.closed:
-            if loop is asyncio.get_running_loop():
-                await client.close()
-            else:
-                from opentinker.environments import env_http
-
-                await env_http.forget(client)
+        """Close the connections (the interaction can still be used; new ones are made)."""
+        await self._transport.aclose()
 
     async def __aenter__(self) -> GymEnvironmentInteraction:
         return self
@@ -352,20 +360,27 @@ class GymEnvironmentInteraction(Interaction):
         return self.timeout_s * (self.retries + 1) + self.backoff_s * (2 ** self.retries - 1) + 1.0
 
     def endpoint_for(self, instance_id: str) -> str:
-        return self.shard_for(instance_id)
+        return self._transport.describe(self.shard_for(instance_id))
+
+    def endpoints(self) -> dict[str, str]:
+        """``{what errors call a server: its base URL}`` for every shard."""
+        return {self._transport.describe(url): url for url in self.shards}
+
+    async def check_health(self, endpoint: str, timeout_s: float) -> None:
+        """``GET /health`` of the server that errors call ``endpoint``, by this interaction's route."""
+        await probe_health(self._transport, self.endpoints()[endpoint], timeout_s)
 
     def shard_for(self, instance_id: str) -> str:
         """The base URL serving ``instance_id``: stable across calls and processes."""
         return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
 
-    async def _request_once(self, url: str, body: dict[str, Any]) -> Any:
-        from opentinker.environments import env_http
-
+    async def _request_once(self, base: str, path: str, body: dict[str, Any]) -> Any:
+        url = _join(self._transport.describe(base), path)
         try:
-            answer = await env_http.request(await self._session(), "POST", url, self.timeout_s, body)
-        except env_http.NoAnswer as exc:
+            answer = await self._transport.request("POST", base, path, self.timeout_s, body)
+        except NoAnswer as exc:
             raise _Retryable(str(exc), True) from exc
-        except (env_http.BadAnswer, ValueError) as exc:
+        except (BadAnswer, ValueError) as exc:
             raise EnvironmentServerError(url, str(exc)) from exc
         if answer.status >= 500:
             raise _Retryable(_reply_problem(answer), answer.status in _UNAVAILABLE_STATUSES)
@@ -379,7 +394,7 @@ class GymEnvironmentInteraction(Interaction):
             raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(answer)})") from exc
 
     async def _post(self, base: str, path: str, body: dict[str, Any], retries: int | None = None) -> Any:
-        url = _join(base, path)
+        url = _join(self._transport.describe(base), path)
         retries = self.retries if retries is None else retries
 
         def log_retry(state: RetryCallState) -> None:
@@ -393,7 +408,7 @@ class GymEnvironmentInteraction(Interaction):
             before_sleep=log_retry,
         )
         try:
-            return await retrying(self._request_once, url, body)
+            return await retrying(self._request_once, base, path, body)
         except RetryError as spent:
             exc, attempts = spent.last_attempt.exception(), spent.last_attempt.attempt_number
             tries = f" (after {attempts} attempts)" if attempts > 1 else ""
@@ -415,7 +430,7 @@ class GymEnvironmentInteraction(Interaction):
         body["instance_id"] = instance_id
         try:
             data = await self._post(base, "reset", body)
-            observation = self._parse_reset(_join(base, "reset"), data)
+            observation = self._parse_reset(_join(self._transport.describe(base), "reset"), data)
         except BaseException:
             self._rewards.pop(instance_id, None)
             raise
@@ -459,7 +474,7 @@ class GymEnvironmentInteraction(Interaction):
         if state.job_id is not None:
             body["job_id"] = state.job_id
         data = await self._post(state.url, "step", body)
-        url = _join(state.url, "step")
+        url = _join(self._transport.describe(state.url), "step")
         observation, reward, done, info = self._parse_step(url, data)
         state.steps += 1
         self._record_reward(instance_id, reward)  # calculate_score: the sum of the step rewards
@@ -512,8 +527,8 @@ class GymEnvironmentInteraction(Interaction):
             logger.warning("finalize of instance %s failed: %r", instance_id, exc)
 
     async def check_endpoints(self, timeout_s: float = 5.0) -> None:
-        """:func:`check_endpoint` on every shard, concurrently."""
-        await asyncio.gather(*(check_endpoint(url, timeout_s) for url in self.shards))
+        """``GET /health`` of every shard by this interaction's route, concurrently."""
+        await asyncio.gather(*(probe_health(self._transport, url, timeout_s) for url in self.shards))
 
     @property
     def active_instances(self) -> int:

@@ -71,12 +71,17 @@ class InteractionContext:
     interaction config or a row's interaction kwargs. ``endpoint_policy``: None means no
     policy (trusted in-process use: ``opentinker-train``, tests); a policy means every env
     endpoint must pass ``policy.check(url, field)``. ``max_env_shards``: the most env
-    servers (``env_shards``) one interaction may name.
+    servers (``env_shards``) one interaction may name. ``relay`` and ``relay_refusal``: see below.
     """
 
     job_id: str | None = None
     endpoint_policy: EndpointPolicy | None = None
     max_env_shards: int = 64
+    #: The job's client relay (a :class:`~opentinker.environments.relay.RelayHub`), which carries
+    #: the calls of interactions configured with ``"relay": "client"``; None where there is none.
+    relay: Any = None
+    #: Why ``"relay": "client"`` is refused here (None: it is allowed).
+    relay_refusal: str | None = "a client relay needs a job on an opentinker-server (its client carries the calls)"
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="env servers may live here: a name, *.suffix, an IP, a CIDR block or *, with an "
                           "optional port or LOW-HIGH range (repeatable; default: none)")
     operator.add_argument("--max-env-shards", type=int, default=16, help="env servers one interaction may name")
+    operator.add_argument("--no-env-relay", dest="env_relays", action="store_false",
+                          help="refuse interactions with relay: client (env calls carried by the job's client "
+                          "to an env on the user's machine); by default they are allowed")
+    operator.add_argument("--max-env-relays-per-user", type=int, default=4, metavar="N",
+                          help="client relays one user may hold connected at once (one per job)")
+    operator.add_argument("--env-relay-in-flight", type=int, default=256, metavar="N",
+                          help="env calls one relay carries at once; more wait (backpressure)")
     operator.add_argument("--allow-interaction", action="append", default=[], metavar="module.Class",
                           help="also allow this Interaction class path in jobs (repeatable)")
     operator.add_argument("--judge-model", action="append", default=[], metavar="MODEL",
@@ -310,6 +317,9 @@ def _serve(args: argparse.Namespace) -> int:
             trust_remote_code=args.trust_remote_code,
             env_hosts=args.allow_env_host,
             max_env_shards=args.max_env_shards,
+            env_relays=args.env_relays,
+            max_env_relays_per_user=args.max_env_relays_per_user,
+            env_relay_in_flight=args.env_relay_in_flight,
             allowed_interactions=args.allow_interaction,
             judge_models=args.judge_model,
             judge_base_url=args.judge_base_url,

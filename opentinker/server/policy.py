@@ -85,6 +85,8 @@ class JobPolicy:
     allowed_interactions: tuple[str, ...] = ()
     endpoint_policy: EndpointPolicy = field(default_factory=EndpointPolicy)
     max_env_shards: int = 16
+    env_relays: bool = True  # interactions may use relay: client
+    env_relay_in_flight: int = 256  # env calls one job's relay carries at once
 
     @property
     def default_model(self) -> ServedModel:
@@ -200,8 +202,11 @@ class JobPolicy:
         cfg = self.client_config(client_overrides)
         return make_config(to_dotted(cfg), self.server_overrides(cfg, job_dir), limits=self.limits)
 
-    def interaction_context(self, job_id: str | None):
+    def interaction_context(self, job_id: str | None, relay: Any = None):
+        """What a job's interactions may reach; ``relay``: the job's RelayHub (in its runner)."""
         from opentinker.environments.interaction import InteractionContext
 
+        refusal = None if self.env_relays else ("client relays are turned off on this server (its operator "
+                                                "started it with --no-env-relay)")
         return InteractionContext(job_id=job_id, endpoint_policy=self.endpoint_policy,
-                                  max_env_shards=self.max_env_shards)
+                                  max_env_shards=self.max_env_shards, relay=relay, relay_refusal=refusal)

@@ -54,6 +54,10 @@ class JobRunner:
         self._trainer = None  # set once built: what serve() generates with
         self._stopped = False
         self._between_steps = threading.Lock()  # held by a training step, or by serve()
+        from opentinker.environments.relay import RelayHub
+
+        # The env calls of interactions with relay: client wait here for the job's client.
+        self.relay = RelayHub(max_in_flight=self.policy.env_relay_in_flight)
 
     @staticmethod
     def ray_actor_options(spec: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +89,19 @@ class JobRunner:
 
     def request_checkpoint(self) -> None:
         self._checkpoint.set()
+
+    # The client relay (opentinker/server/relay.py carries the calls; environments/relay.py has the rules).
+    def relay_attach(self) -> int:
+        return self.relay.attach()
+
+    def relay_detach(self, connection: int) -> None:
+        self.relay.detach(connection)
+
+    def relay_take(self, connection: int, max_calls: int, wait_s: float) -> list[dict[str, Any]] | None:
+        return self.relay.take(connection, max_calls, wait_s)
+
+    def relay_answer(self, connection: int, answers: list[dict[str, Any]]) -> None:
+        self.relay.answer(connection, answers)
 
     def serve(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Completion events (``opentinker.engine.serving.stream_completions``) from the job's
@@ -168,7 +185,7 @@ class JobRunner:
         cfg.trainer.resume_mode = "disable" if self.resume_from_step is None else str(
             Path(cfg.trainer.default_local_dir) / f"global_step_{self.resume_from_step}")
         registry = default_registry(allowed=self.policy.allowed_interactions)
-        interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id))
+        interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id, self.relay))
         return RLTrainer(cfg, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
                          interactions=interactions or None)
 

@@ -60,6 +60,9 @@ class ServerSettings:
     allowed_interactions: list[str] = field(default_factory=list)  # extra dotted class paths
     env_hosts: list[str] = field(default_factory=list)  # "HOST[:PORT[-PORT]]" env servers may live at
     max_env_shards: int = 16  # shards one interaction may name
+    env_relays: bool = True  # interactions with relay: client (the job's client carries the env calls)
+    max_env_relays_per_user: int = 4  # client relays one user holds connected at once
+    env_relay_in_flight: int = 256  # env calls one relay carries at once (more wait)
     config_limits: dict[str, float] = field(default_factory=dict)  # upper bounds replacing config.RANGES'
     # Quotas per user: jobs running at once, and jobs waiting for a slot behind them.
     max_running_jobs_per_user: int = 2
@@ -147,6 +150,9 @@ class ServerSettings:
                      "tinker_cycle_tokens", "tinker_max_idle_models_per_user"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_env_relays_per_user", "env_relay_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -180,6 +186,8 @@ class ServerSettings:
             allowed_interactions=tuple(self.allowed_interactions),
             endpoint_policy=EndpointPolicy.from_strings(self.env_hosts, own_port=self.port),
             max_env_shards=self.max_env_shards,
+            env_relays=self.env_relays,
+            env_relay_in_flight=self.env_relay_in_flight,
         )
         unknown_loggers = set(self.loggers) - {"console", "wandb"}
         if unknown_loggers:

@@ -86,6 +86,8 @@ def build_all(body: EnvCheck, registry: InteractionRegistry, settings: ServerSet
         except (UnknownInteractionError, TypeError, ValueError) as exc:
             problems.append(f"{label}: {exc}")
             continue
+        if getattr(interaction, "relayed", False):
+            continue  # on the user's machine: its client checks it (GenericEnvironment.setup)
         for url in getattr(interaction, "shards", ()):
             probes.setdefault(url, []).append(label)
     return problems, probes
