@@ -123,6 +123,15 @@ class JobCreated(_Model):
     job_id: str
 
 
+class RelayInfo(_Model):
+    """The client relay of a job with ``relay: client`` interactions: whether the user's client
+    is connected and carrying their env calls (a job without it waits like for an env outage)."""
+
+    interactions: list[str]  # the relayed interactions' names
+    connected: bool
+    connected_since: float | None = None
+
+
 class JobInfo(_Model):
     job_id: str
     name: str | None
@@ -134,6 +143,7 @@ class JobInfo(_Model):
     total_steps: int
     error: str | None = None
     config: dict[str, Any] = Field(default_factory=dict)  # the resolved config, dotted keys
+    relay: RelayInfo | None = None  # None: the job has no relayed interaction
 
 
 class JobList(_Model):

@@ -325,6 +325,7 @@ class OpenTinkerClient:
         if not env.is_set_up_for(self):
             env.setup(self)
         handle = self.create_job(env.job_create(mode=mode, steps=steps, name=name))
+        handle.start_relay(env.interaction_specs)  # interactions with relay: client; a no-op for others
         if mode == "client":
             handle.start_pushing(env.step_batches())
         return handle

@@ -54,6 +54,8 @@ from opentinker.protocol import (
 
 if TYPE_CHECKING:
     from opentinker.client.client import OpenTinkerClient
+    from opentinker.client.relay import EnvRelay
+    from opentinker.environments.registry import InteractionSpec
 
 __all__ = ["MAX_ARCHIVE_BYTES", "MAX_ARCHIVE_MEMBERS", "JobHandle", "extract_tar_safely"]
 
@@ -88,6 +90,7 @@ class JobHandle:
         self.client = client
         self.job_id = job_id
         self._pusher: _StepPusher | None = None
+        self.relay: EnvRelay | None = None  # carrying this job's env calls from this machine
 
     def __repr__(self) -> str:
         return f"JobHandle({self.job_id!r}, server={self.client.base_url!r})"
@@ -257,6 +260,11 @@ class JobHandle:
             if wandb_run is not None:
                 wandb_run.finish()
         info = self.info()
+        if self.relay is not None and info.status.finished:
+            from opentinker.client.relay import forget
+
+            self.relay.stop()
+            forget(self.client, self.job_id)
         pusher = self._pusher
         if pusher is not None:
             pusher.stop.set()
@@ -270,6 +278,47 @@ class JobHandle:
             what = "failed" if info.status == JobStatus.FAILED else "was interrupted (the server stopped)"
             raise JobFailedError(f"job {self.job_id} {what} at step {info.step}: {reason}", info=info)
         return info
+
+    # ------------------------------------------------------------------ client relay
+
+    def start_relay(self, specs: Iterable[InteractionSpec] | None = None) -> EnvRelay | None:
+        """Carry the job's env calls from this machine (interactions with ``relay: client``): to
+        the endpoints of ``specs``, else of the specs this machine kept when it started the job
+        (:func:`opentinker.client.relay.remember`; never the server's copy: a server must not
+        choose where this machine connects). None when there is nothing to relay. See
+        :mod:`opentinker.client.relay`."""
+        from opentinker.client.relay import EnvRelay, recall, relayed_specs, remember
+
+        if self.relay is not None and self.relay.running:
+            return self.relay
+        chosen = relayed_specs(list(specs)) if specs is not None else recall(self.client, self.job_id)
+        if not chosen:
+            return None
+        if specs is not None:
+            remember(self.client, self.job_id, chosen)
+        self.relay = EnvRelay(self.client, self.job_id, chosen).start()
+        return self.relay
+
+    def stop_relay(self) -> None:
+        if self.relay is not None:
+            self.relay.stop()
+
+    def attach(
+        self,
+        env: Any = None,
+        *,
+        timeout: float | None = None,
+        progress: bool = True,
+        wandb_project: str | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> JobInfo:
+        """Follow a running job from this process, carrying its env calls when it has relayed
+        interactions (``env``: a GenericEnvironment or its interaction specs; None: the specs this
+        machine kept when it started the job). What a restarted client calls to let a job that
+        waits for its env go on; returns like :meth:`wait`."""
+        specs = getattr(env, "interaction_specs", env)
+        self.start_relay(specs)
+        return self.wait(timeout=timeout, progress=progress, wandb_project=wandb_project, on_event=on_event)
 
     # ------------------------------------------------------------------ checkpoints
 

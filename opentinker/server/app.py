@@ -30,7 +30,8 @@ from opentinker.server.middleware import BodyLimits
 from opentinker.server.model_serving import ModelServing
 from opentinker.server.request_body import add_body_schemas
 from opentinker.server.revocation import CredentialWatch
-from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, steps
+from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, relay, steps
+from opentinker.server.routers.relay import RelayBoard
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
 from opentinker.server.tinker import routes as tinker_routes
@@ -103,11 +104,12 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     app.state.settings = settings
     app.state.registry = registry
     app.state.step_locks = {}
+    app.state.relays = RelayBoard(settings.max_env_relays_per_user)  # connected client relays
     app.state.tokenizers = Tokenizers(settings.job_policy)
     limit = settings.auth_failures_per_minute
     app.state.auth_limiter = FailedAuthLimiter(limit) if limit else None
     install_error_handlers(app)
-    for module in (health, models, jobs, steps, events, checkpoints, env, completions):
+    for module in (health, models, jobs, steps, events, checkpoints, env, completions, relay):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(tinker_routes.router)  # the Tinker API, under /api/v1
     app.include_router(dashboard.router)  # the web dashboard at / and its login, /v1/session

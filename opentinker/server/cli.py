@@ -370,7 +370,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Event streams stay open for a job's whole life: give them a few seconds at shutdown,
     # not forever, so the lifespan (kill the actors, close the store) always runs.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                **settings.proxy_options())
+                **settings.uvicorn_options())
     return 0
 
 

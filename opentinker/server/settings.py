@@ -193,13 +193,17 @@ class ServerSettings:
         if unknown_loggers:
             raise ValueError(f"unknown loggers {sorted(unknown_loggers)} (known: console, wandb)")
 
-    def proxy_options(self) -> dict[str, Any]:
-        """uvicorn's proxy settings (``uvicorn.run``/``Config`` keywords): X-Forwarded-For and
-        X-Forwarded-Proto are read only from ``trusted_proxies``, and not at all without one
-        (so neither uvicorn's default nor ``$FORWARDED_ALLOW_IPS`` applies)."""
+    def uvicorn_options(self) -> dict[str, Any]:
+        """``uvicorn.run``/``Config`` keywords. Proxies: X-Forwarded-For and X-Forwarded-Proto
+        are read only from ``trusted_proxies``, and not at all without one (so neither uvicorn's
+        default nor ``$FORWARDED_ALLOW_IPS`` applies). WebSocket messages: up to what a client
+        relay's answer may be (an env's 16 MiB answer, JSON-escaped)."""
+        from opentinker.server.routers.relay import MAX_MESSAGE_BYTES
+
+        sizes = {"ws_max_size": MAX_MESSAGE_BYTES}
         if not self.trusted_proxies:
-            return {"proxy_headers": False}
-        return {"proxy_headers": True, "forwarded_allow_ips": list(self.trusted_proxies)}
+            return {"proxy_headers": False, **sizes}
+        return {"proxy_headers": True, "forwarded_allow_ips": list(self.trusted_proxies), **sizes}
 
     @property
     def db_path(self) -> Path:

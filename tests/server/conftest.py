@@ -148,7 +148,7 @@ class LiveServer:
         self.settings = dataclasses.replace(settings, port=port)  # the port it really serves on
         self.app = create_app(self.settings, runner_cls=runner_cls)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
-                                loop="asyncio", **self.settings.proxy_options())  # as `opentinker-server serve`
+                                loop="asyncio", **self.settings.uvicorn_options())  # as `opentinker-server serve`
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: self.server.run(sockets=[self.sock]), daemon=True)
 

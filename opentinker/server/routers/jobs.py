@@ -173,14 +173,19 @@ async def create_job(
     return JobCreated(job_id=job.job_id)
 
 
+def job_info(job: JobRecord, request: Request) -> JobInfo:
+    """The job's info, with whether its client relay is connected (jobs with relayed interactions)."""
+    return job.info().model_copy(update={"relay": request.app.state.relays.info(job)})
+
+
 @router.get("", response_model=JobList, summary="Your jobs, newest first")
-async def list_jobs(user: User = Depends(current_user), store: Store = Depends(get_store)) -> JobList:
-    return JobList(jobs=[job.info() for job in store.list_jobs(user)])
+async def list_jobs(request: Request, user: User = Depends(current_user), store: Store = Depends(get_store)) -> JobList:
+    return JobList(jobs=[job_info(job, request) for job in store.list_jobs(user)])
 
 
 @router.get("/{job_id}", response_model=JobInfo, summary="One of your jobs", responses=error_responses(404))
-async def get_job(job: JobRecord = Depends(owned_job)) -> JobInfo:
-    return job.info()
+async def get_job(request: Request, job: JobRecord = Depends(owned_job)) -> JobInfo:
+    return job_info(job, request)
 
 
 @router.post(
