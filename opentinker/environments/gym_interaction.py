@@ -40,7 +40,6 @@ import asyncio
 import logging
 import math
 import re
-import string
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,6 +64,7 @@ from opentinker.environments.interaction import (
     last_assistant_content,
 )
 from opentinker.environments.relay import RelayTransport, relay_mode
+from opentinker.environments.templates import checked_template as _checked_template
 from opentinker.environments.transport import BadAnswer, NoAnswer
 
 if TYPE_CHECKING:
@@ -75,9 +75,6 @@ __all__ = ["GymEnvironmentInteraction", "check_endpoint", "env_route", "shard_ur
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 300  # of an env's {"error": ...} text quoted in an EnvironmentServerError
-_TEMPLATE_FIELDS = ("observation", "reward", "step")
-_MAX_TEMPLATE_CHARS = 2000
-_MAX_TEMPLATE_NUMBER = 100  # widths/precisions in format specs: "{observation:>1000000000}" is a memory bomb
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
 
 
@@ -201,42 +198,6 @@ def _bounded(config: dict[str, Any], key: str, default: float, low: float, high:
     if not in_range:
         raise ValueError(f"{key} must be {'>' if above_low else '>='} {low:g} and <= {high:g}, got {value!r}")
     return value
-
-
-def _checked_template(template: Any) -> str:
-    """An observation template that may use only {observation}, {reward} and {step}.
-
-    Checked by parsing, not by trial formatting alone: ``"{observation.__class__}"`` or
-    ``"{step[0]}"`` would reach into Python objects.
-    """
-    if not isinstance(template, str):
-        raise ValueError(f"observation_template must be a string, got {type(template).__name__}")
-    if len(template) > _MAX_TEMPLATE_CHARS:
-        raise ValueError(f"observation_template: at most {_MAX_TEMPLATE_CHARS} characters, got {len(template)}")
-    allowed = "{observation}, {reward} and {step}"
-    try:
-        parts = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise ValueError(f"observation_template {template!r} is invalid ({exc}); it may use {allowed}") from exc
-    for _, field, spec, _ in parts:
-        if field is None:
-            continue
-        if field not in _TEMPLATE_FIELDS:
-            raise ValueError(
-                f"observation_template may use only the plain fields {allowed} (no attribute access, "
-                f"indexing or positional fields), got {{{field}}}"
-            )
-        if "{" in spec or "}" in spec:
-            raise ValueError(f"observation_template: nested fields in a format spec are not allowed, got {spec!r}")
-        if any(int(number) > _MAX_TEMPLATE_NUMBER for number in re.findall(r"\d+", spec)):
-            raise ValueError(
-                f"observation_template: widths and precisions are at most {_MAX_TEMPLATE_NUMBER}, got {spec!r}"
-            )
-    try:
-        template.format(observation="", reward=0.0, step=0)
-    except (ValueError, TypeError) as exc:  # a spec that does not fit its value, e.g. {observation:d}
-        raise ValueError(f"observation_template {template!r} is invalid ({exc}); it may use {allowed}") from exc
-    return template
 
 
 def _reply_shape(answer: Answer) -> str:
