@@ -273,7 +273,9 @@ class EnvRelay:
                         failures = 0
                 except _Final as final:
                     self.error = str(final)
-                    log.warning("job %s: the client relay ended: %s", self.job_id, final)
+                    finished = str(final).startswith(_FINAL_CLOSE_CODES[4409])
+                    log.log(logging.INFO if finished else logging.WARNING, "job %s: the client relay ended: %s",
+                            self.job_id, final)
                     return
                 except (OSError, asyncio.TimeoutError, TimeoutError, ConnectionClosed, InvalidHandshake) as exc:
                     log.info("job %s: client relay connection lost (%s); reconnecting", self.job_id, exc)
@@ -309,8 +311,8 @@ class EnvRelay:
                     if unknown:
                         log.warning("job %s: the server relays interactions this client does not carry: %s "
                                     "(their calls will be refused)", self.job_id, ", ".join(map(str, unknown)))
-                elif kind == "error":
-                    log.warning("job %s: the server refused the relay: %s", self.job_id, message.get("message"))
+                elif kind == "error":  # the close that follows says whether it is for good
+                    log.debug("job %s: the server ends the relay: %s", self.job_id, message.get("message"))
                 elif kind == "call":
                     await slots.acquire()  # past max_concurrent: stop reading until one is done
                     task = asyncio.ensure_future(self._answer(socket, message))

@@ -137,6 +137,27 @@ class StandInRunner:
     def request_checkpoint(self) -> None:
         self._checkpoint_requested.set()
 
+    # The client relay, as the real runner has it (its calls come from nothing here).
+    def relay_attach(self) -> int:
+        return self._relay().attach()
+
+    def relay_detach(self, connection: int) -> None:
+        self._relay().detach(connection)
+
+    def relay_take(self, connection: int, max_calls: int, wait_s: float) -> list[dict] | None:
+        return self._relay().take(connection, max_calls, wait_s)
+
+    def relay_answer(self, connection: int, answers: list[dict]) -> None:
+        self._relay().answer(connection, answers)
+
+    def _relay(self):
+        from opentinker.environments.relay import RelayHub
+
+        with self._lock:
+            if not hasattr(self, "relay"):
+                self.relay = RelayHub()
+            return self.relay
+
 
 class LiveServer:
     """``create_app`` served by uvicorn in a thread on a free 127.0.0.1 port."""

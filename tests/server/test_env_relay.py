@@ -3,12 +3,14 @@ client and its relay, and env servers on loopback ports the server's allowlist r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import textwrap
-import time
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -78,3 +80,237 @@ def test_an_env_the_server_may_not_reach_trains_through_the_client_relay(live, e
     assert handle.relay.calls >= 3 * 4 * 3  # reset, step and finalize of every sample
     assert handle.relay.refused == 0
     assert info.relay is not None and info.relay.interactions == ["arith"]
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import sys
+    from opentinker import GenericEnvironment, OpenTinkerClient
+    from opentinker.environments.registry import InteractionSpec
+
+    url, key, port, what = sys.argv[1:5]
+    with OpenTinkerClient(url, key) as client:
+        if what == "start":
+            spec = InteractionSpec(name="arith", class_path="gym",
+                                   config={"env_endpoint": f"http://127.0.0.1:{port}", "relay": "client"})
+            env = GenericEnvironment(__SMALL__, [spec], dataset=[{"extra_info": {"interaction_kwargs": {}}}] * 16)
+            handle = client.submit(env, steps=int(sys.argv[5]))
+            print(handle.job_id, flush=True)
+            handle.wait(progress=False)
+        else:  # attach: the specs come from what the first process kept on this machine
+            info = client.get_job(what).attach(progress=False)
+            print(info.status.value, info.step, flush=True)
+""").replace("__SMALL__", repr(SMALL))
+
+
+def _client_process(tmp_path: Path, *args: str) -> subprocess.Popen:
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT_SCRIPT)
+    environment = {**os.environ, "OPENTINKER_STATE_DIR": str(tmp_path / "state")}
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=environment)
+
+
+def _events(raw: httpx.Client, job_id: str) -> list[dict]:
+    return raw.get(f"/v1/jobs/{job_id}/events", params={"stream": "false"}).json()["events"]
+
+
+def test_a_killed_client_is_waited_for_and_attach_carries_on_with_no_step_lost(live, env_server, tmp_path, helpers):
+    """The client that started the job is SIGKILLed after step 2 of 6: the job waits for its env (the
+    relay is an env outage) and says so; a new process attaches from the specs the first one kept
+    on this machine, and the job trains every step once, skipping none."""
+    steps = 6
+    first = _client_process(tmp_path, live.url, live.keys["carol"], str(env_server), "start", str(steps))
+    job_id = first.stdout.readline().strip()
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {live.keys['carol']}"},
+                      trust_env=False, timeout=30) as raw:
+        helpers.wait_for(lambda: raw.get(f"/v1/jobs/{job_id}").json()["step"] >= 2, timeout=300, what="step 2")
+        kill(first)
+        helpers.wait_for(lambda: not raw.get(f"/v1/jobs/{job_id}").json()["relay"]["connected"], timeout=30,
+                         what="the relay to show disconnected")
+
+        def waiting() -> bool:
+            return any(e["type"] == "log" and "client relay is not connected" in e["data"]["message"]
+                       for e in _events(raw, job_id))
+
+        helpers.wait_for(waiting, timeout=120, what="the job to say it waits for its client")
+        assert raw.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
+        second = _client_process(tmp_path, live.url, live.keys["carol"], str(env_server), job_id)
+        helpers.wait_for(lambda: raw.get(f"/v1/jobs/{job_id}").json()["relay"]["connected"], timeout=60,
+                         what="the relay to reconnect")
+        out, _ = second.communicate(timeout=300)
+        assert out.split() == ["completed", str(steps)]
+        events = _events(raw, job_id)
+    assert [e["data"]["step"] for e in events if e["type"] == "progress"] == list(range(1, steps + 1))
+    logs = [e["data"]["message"] for e in events if e["type"] == "log"]
+    assert not any(" skipped: " in message for message in logs)
+    assert any("answered again" in message and "nothing was skipped" in message for message in logs)
+    # The first process kept the specs under its state folder; the job's end let the second forget them.
+    assert not list((tmp_path / "state").rglob("*.json"))
+
+
+class _RecordingGymEnv(BaseHTTPRequestHandler):
+    """A gym-protocol env that records the path and job id of every call (``seen`` per server)."""
+
+    def do_GET(self):  # noqa: N802
+        self._answer({} if self.path == "/health" else None)
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        self.server.seen.append((self.path, body.get("job_id")))
+        if self.path == "/reset":
+            self._answer({"observation": "What is 2 + 3?"})
+        elif self.path == "/step":
+            self._answer({"observation": "", "reward": float("5" in body.get("action", "")), "done": True})
+        else:
+            self._answer({} if self.path == "/finalize" else None)
+
+    def _answer(self, data):
+        payload = json.dumps(data if data is not None else {"error": "no such path"}).encode()
+        self.send_response(200 if data is not None else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def _recording_env() -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RecordingGymEnv)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_two_users_relays_never_receive_each_others_calls(live, monkeypatch, tmp_path):
+    """Carol's and Dave's jobs train at once, each through its own client's relay to its own env:
+    every call an env gets carries its own user's job id, and both jobs train every step."""
+    monkeypatch.setenv("OPENTINKER_STATE_DIR", str(tmp_path))
+    envs = {name: _recording_env() for name in ("carol", "dave")}
+    try:
+        handles = {}
+        for name, env in envs.items():
+            client = OpenTinkerClient(live.url, live.keys[name])
+            handles[name] = client.submit(relayed_env(env.server_address[1]), steps=3)
+        infos = {name: handle.wait(progress=False) for name, handle in handles.items()}
+    finally:
+        for env in envs.values():
+            env.shutdown()
+    for name, env in envs.items():
+        assert infos[name].status.value == "completed" and infos[name].step == 3
+        job_ids = {job_id for _, job_id in env.seen}
+        assert job_ids == {handles[name].job_id}, (name, job_ids)
+        assert {path for path, _ in env.seen} == {"/reset", "/step", "/finalize"}
+        assert len([p for p, _ in env.seen if p == "/step"]) == 3 * 4  # 3 steps of 2 prompts x 2 samples
+        handles[name].client.close()
+
+
+def test_relays_are_the_operators_choice(start_server, tmp_path, helpers):
+    """--no-env-relay refuses relayed jobs (400 naming the flag) and relay connections (4403);
+    --max-env-relays-per-user bounds the relays one user holds (4429); a job without a relayed
+    interaction has none (4409); another user's job is not found (4404)."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    spec = {"name": "arith", "class_path": "gym", "config": {"env_endpoint": "http://127.0.0.1:9", "relay": "client"}}
+    off = start_server(tmp_path / "off", env_relays=False)
+    alice = helpers.make_user(off.settings.data_dir, "alice")
+    with off.client(alice) as raw:
+        refused = raw.post("/v1/jobs", json={"config": {}, "interactions": [spec]})
+    assert refused.status_code == 400 and "--no-env-relay" in refused.text
+
+    def close_code(live, key, job_id) -> int:
+        url = live.url.replace("http", "ws") + f"/v1/jobs/{job_id}/relay"
+        with connect(url, additional_headers={"Authorization": f"Bearer {key}"}, proxy=None) as socket:
+            try:
+                while True:
+                    socket.recv(timeout=10)
+            except ConnectionClosed as closed:
+                return closed.rcvd.code
+
+    on = start_server(tmp_path / "on", max_env_relays_per_user=1)
+    bob, eve = (helpers.make_user(on.settings.data_dir, name) for name in ("bob", "eve"))
+    with on.client(bob) as raw:
+        relayed = [helpers.create_job(raw, f"hold-{i}", mode="client", interactions=[spec]) for i in range(2)]
+        plain = helpers.create_job(raw, "hold-plain", mode="client")
+    with connect(on.url.replace("http", "ws") + f"/v1/jobs/{relayed[0]}/relay",
+                 additional_headers={"Authorization": f"Bearer {bob}"}, proxy=None) as first:
+        assert json.loads(first.recv(timeout=10)) == {"type": "hello", "job_id": relayed[0], "interactions": ["arith"]}
+        with on.client(bob) as raw:
+            helpers.wait_for(lambda: raw.get(f"/v1/jobs/{relayed[0]}").json()["relay"]["connected"], what="connected")
+            assert raw.get(f"/v1/jobs/{plain}").json()["relay"] is None
+        assert close_code(on, bob, relayed[1]) == 4429
+        assert close_code(on, bob, plain) == 4409
+        assert close_code(on, eve, relayed[0]) == 4404
+        assert close_code(on, "ot-not-a-key", relayed[0]) == 4401
+    with on.client(bob) as raw:
+        helpers.wait_for(lambda: not raw.get(f"/v1/jobs/{relayed[0]}").json()["relay"]["connected"],
+                         what="disconnected")
+        for job_id in (*relayed, plain):
+            raw.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_a_compromised_server_cannot_use_the_relay_as_a_proxy(tmp_path, monkeypatch, recording_service):
+    """A server that sends whatever it likes down the relay gets the env protocol's calls to the
+    user's configured endpoint and nothing else: other paths, hosts (a URL in the call is ignored),
+    shards, interactions, methods and operations are refused, and the service next door sees nothing."""
+    from websockets.asyncio.server import serve
+
+    from opentinker.client.relay import EnvRelay
+
+    monkeypatch.setenv("OPENTINKER_STATE_DIR", str(tmp_path))
+    env = _recording_env()
+    canary_url, canary_seen = recording_service
+    hostile = [
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "GET", "path": "admin"},
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "POST", "path": "../reset", "body": {}},
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "POST", "path": "reset?x=1", "body": {}},
+        {"op": "http", "interaction": "arith", "shard": 1, "method": "POST", "path": "reset", "body": {}},
+        {"op": "http", "interaction": "elsewhere", "shard": 0, "method": "POST", "path": "reset", "body": {}},
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "DELETE", "path": "reset"},
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "GET", "path": "health", "body": {"x": 1}},
+        {"op": "ws_open", "interaction": "arith", "shard": 0, "path": "ws", "session": "s1"},
+        {"op": "tcp", "host": "127.0.0.1", "port": 22},
+    ]
+    legit = [  # a URL smuggled into a call is not read: the call still goes to the configured endpoint
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "GET", "path": "health", "url": canary_url},
+        {"op": "http", "interaction": "arith", "shard": 0, "method": "POST", "path": "reset",
+         "body": {"instance_id": "i", "job_id": "J"}},
+    ]
+    answers: dict[int, dict] = {}
+
+    async def fake_server(socket):
+        await socket.send(json.dumps({"type": "hello", "job_id": "J", "interactions": ["arith"]}))
+        for i, call in enumerate(hostile + legit):
+            await socket.send(json.dumps({"type": "call", "id": i, "timeout_s": 5, **call}))
+        while len(answers) < len(hostile) + len(legit):
+            answer = json.loads(await socket.recv())
+            answers[answer["id"]] = answer
+
+    async def main():
+        async with serve(fake_server, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = OpenTinkerClient(f"http://127.0.0.1:{port}", "ot-fake")
+            spec = InteractionSpec(name="arith", class_path="gym", config={
+                "env_endpoint": f"http://127.0.0.1:{env.server_address[1]}", "relay": "client"})
+            relay = EnvRelay(client, "J", [spec]).start()
+            try:
+                for _ in range(200):
+                    if len(answers) == len(hostile) + len(legit):
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                relay.stop()
+            return relay
+
+    try:
+        relay = asyncio.run(main())
+    finally:
+        env.shutdown()
+    for i in range(len(hostile)):
+        assert answers[i]["error"] == "refused", (hostile[i], answers[i])
+    health, reset = answers[len(hostile)], answers[len(hostile) + 1]
+    assert health["status"] == 200 and reset["status"] == 200 and "2 + 3" in reset["body"]
+    assert relay.refused == len(hostile)
+    assert env.seen == [("/reset", "J")]
+    assert canary_seen == []
