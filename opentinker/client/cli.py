@@ -98,6 +98,12 @@ def format_job(job: JobInfo) -> str:
     ]
     if job.error:
         fields.append(("error", job.error))
+    if job.relay is not None:
+        names = ", ".join(job.relay.interactions)
+        state = (f"connected since {_when(job.relay.connected_since)}" if job.relay.connected else
+                 "not connected (its env calls wait: `opentinker jobs logs -f ID` on the machine with the env "
+                 "carries them)")
+        fields.append(("relay", f"{state}; interactions: {names}"))
     width = max(len(k) for k, _ in fields)
     lines = [f"{k.ljust(width)}  {v}" for k, v in fields]
     if job.config:
@@ -165,8 +171,16 @@ def _jobs_logs(args: argparse.Namespace) -> int:
     with make_client(args) as client:
         job = client.job(args.job_id)
         if args.follow:
-            for event in job.stream():
-                _print(format_event(event))
+            # A job this machine started with relay: client gets its env calls carried while followed.
+            relay = job.start_relay() if args.relay else None
+            if relay is not None:
+                _print(f"carrying the env calls of job {args.job_id} to "
+                       f"{', '.join(url for route in relay.routes.values() for url in route.shards)}", sys.stderr)
+            try:
+                for event in job.stream():
+                    _print(format_event(event))
+            finally:
+                job.stop_relay()
         else:
             events = job.events()
             for event in events:
@@ -241,7 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     leaf("list", "list every job: id, name, mode, status, step, created", _jobs_list, with_id=False)
     leaf("show", "show one job's status, progress, error and resolved config", _jobs_show)
     logs = leaf("logs", "print a job's events (status, progress, metrics, checkpoints, errors)", _jobs_logs)
-    logs.add_argument("-f", "--follow", action="store_true", help="keep streaming until the job finishes")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep streaming until the job finishes (and carry "
+                      "the env calls of a job this machine started with relay: client)")
+    logs.add_argument("--no-relay", dest="relay", action="store_false",
+                      help="with --follow: do not carry the job's env calls from this machine")
     leaf("cancel", "cancel a job", _jobs_cancel)
     leaf("resume", "continue a stopped job from its last checkpoint", _jobs_resume)
     leaf("checkpoints", "list a job's checkpoints", _jobs_checkpoints)

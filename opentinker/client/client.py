@@ -364,8 +364,10 @@ class OpenTinkerClient:
             else:
                 import sys
 
+                relayed = " (its env calls wait for this machine: `opentinker jobs logs -f " \
+                    f"{handle.job_id}` carries them again)" if handle.relay is not None else ""
                 print(
-                    f"\njob {handle.job_id} keeps running on the server; "
+                    f"\njob {handle.job_id} keeps running on the server{relayed}; "
                     f"`opentinker jobs cancel {handle.job_id}` stops it",
                     file=sys.stderr,
                 )

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opentinker.client.errors import DatasetError, EnvironmentSetupError
+from opentinker.client.relay import local_problems, relayed_specs
 from opentinker.config import expand_dotted, make_config, parse_overrides
 from opentinker.environments.gym_interaction import shard_urls
 from opentinker.environments.registry import InteractionSpec
@@ -443,7 +444,8 @@ class GenericEnvironment:
 
         Local checks first (the dataset's rows, env endpoint URLs), then
         ``POST /v1/env/check``: the server validates each spec against its allowlist and
-        calls every env endpoint's ``/health``. Any problem raises
+        calls every env endpoint's ``/health``; the endpoints of interactions with
+        ``relay: client`` are on this machine, so their ``/health`` is called from here. Any problem raises
         :class:`EnvironmentSetupError` at once, naming the unreachable URL(s) or listing
         the class paths the server allows. Returns :meth:`env_config`.
         """
@@ -458,11 +460,20 @@ class GenericEnvironment:
         elif self.data_generator is not None:
             self._loader_parts(self.data_generator)  # checks its first row
         self.val_rows()
+        try:
+            relayed = relayed_specs(self.interaction_specs)
+        except ValueError as exc:
+            raise EnvironmentSetupError(str(exc)) from exc
         result = client.check_environment(self.interaction_specs)
         allowed = set(result.allowed_class_paths)
         unknown = [s for s in self.interaction_specs if s.class_path not in allowed]
         if not result.ok:
             raise EnvironmentSetupError(self._failure_message(client, result, unknown, urls))
+        # Relayed envs are on this machine: the server cannot see them, so they are checked from here.
+        local = local_problems(relayed)
+        if local:
+            raise EnvironmentSetupError("\n".join(["environment check failed on this machine:",
+                                                    *(f"  - {problem}" for problem in local)]))
         if result.problems:
             import warnings
 

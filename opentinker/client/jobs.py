@@ -260,11 +260,8 @@ class JobHandle:
             if wandb_run is not None:
                 wandb_run.finish()
         info = self.info()
-        if self.relay is not None and info.status.finished:
-            from opentinker.client.relay import forget
-
-            self.relay.stop()
-            forget(self.client, self.job_id)
+        if info.status.finished:
+            self.stop_relay(info)
         pusher = self._pusher
         if pusher is not None:
             pusher.stop.set()
@@ -299,9 +296,20 @@ class JobHandle:
         self.relay = EnvRelay(self.client, self.job_id, chosen).start()
         return self.relay
 
-    def stop_relay(self) -> None:
-        if self.relay is not None:
-            self.relay.stop()
+    def stop_relay(self, info: JobInfo | None = None) -> None:
+        """Stop carrying the job's env calls (they wait, as for an env outage, until a client
+        attaches); once the job has finished, the specs kept on this machine are dropped too."""
+        from opentinker.client.relay import forget
+
+        if self.relay is None:
+            return
+        self.relay.stop()
+        try:
+            finished = (info or self.info()).status.finished
+        except OpenTinkerError:
+            return
+        if finished:
+            forget(self.client, self.job_id)
 
     def attach(
         self,

@@ -53,7 +53,7 @@ from opentinker.environments.transport import MAX_ANSWER_BYTES
 if TYPE_CHECKING:
     from opentinker.client.client import OpenTinkerClient
 
-__all__ = ["EnvRelay", "forget", "recall", "relayed_specs", "remember"]
+__all__ = ["EnvRelay", "forget", "local_problems", "recall", "relayed_specs", "remember"]
 
 log = logging.getLogger("opentinker.client.relay")
 
@@ -112,6 +112,25 @@ def relayed_specs(specs: Sequence[InteractionSpec]) -> list[InteractionSpec]:
 
 def _routes(specs: Sequence[InteractionSpec]) -> dict[str, _Route]:
     return {spec.name: _Route(_PROTOCOLS[spec.class_path], _shards(spec)) for spec in relayed_specs(specs)}
+
+
+def local_problems(specs: Sequence[InteractionSpec], timeout_s: float = 3.0) -> list[str]:
+    """What is wrong with the relayed envs of ``specs``, checked from this machine (where the relay
+    will call them): each endpoint's ``GET /health`` must answer 2xx."""
+    problems = []
+    with httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout_s) as http:
+        for name, route in _routes(specs).items():
+            for base in route.shards:
+                label = f"interaction {name!r} (relay: client): {base}/health"
+                try:
+                    status = http.get(f"{base}/health").status_code
+                except httpx.HTTPError as exc:
+                    problems.append(f"{label} does not answer on this machine ({type(exc).__name__}); is the "
+                                    "environment server running?")
+                    continue
+                if not 200 <= status < 300:
+                    problems.append(f"{label} answered HTTP {status}")
+    return problems
 
 
 # ---------------------------------------------------------------------- the record on disk

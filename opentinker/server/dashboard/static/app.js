@@ -190,7 +190,8 @@
     const selected = dash.jobs.find((j) => j.job_id === dash.jobId);
     if (selected && dash.job) {
       // Status and step also come by events; the list catches what a dropped stream missed.
-      dash.job = { ...dash.job, step: Math.max(dash.job.step, selected.step), error: selected.error };
+      dash.job = { ...dash.job, step: Math.max(dash.job.step, selected.step), error: selected.error,
+                   relay: selected.relay };
       if (selected.status !== dash.status && !dash.source) setStatus(selected.status);
       renderJobHead();
       if (!FINISHED.has(selected.status) && !dash.source) openStream(dash.jobId, dash.generation);
@@ -382,6 +383,18 @@
     $("job-progress").max = Math.max(job.total_steps, 1);
     $("job-progress").value = job.step;
     showMessage($("job-error"), status === "completed" ? "" : job.error);
+    // A job whose env is on its user's machine: is the client that carries its env calls there?
+    const relay = job.relay;
+    $("job-relay").hidden = !relay || FINISHED.has(status);
+    if (relay) {
+      const state = $("job-relay-state");
+      state.textContent = relay.connected ? "connected" : "not connected";
+      state.dataset.status = relay.connected ? "running" : "queued";
+      state.title = relay.connected
+        ? "the job's client carries the env calls of " + relay.interactions.join(", ")
+        : "the env calls of " + relay.interactions.join(", ") + " wait for the job's client " +
+          "(job.attach() or `opentinker jobs logs -f` on the machine with the env)";
+    }
 
     const cancel = $("cancel");
     cancel.hidden = FINISHED.has(status);
