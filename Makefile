@@ -16,7 +16,7 @@ RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl
 # vLLM for CPU is part of the test set-up on Linux x86-64 (VLLM=0 skips it; its tests then skip).
 VLLM   ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
-.PHONY: run train test install install-vllm install-cookbook install-chromium venv clean gpu-check
+.PHONY: run train test install install-vllm install-cookbook install-openenv install-chromium venv clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,18 @@ $(VENV)/.cookbook-installed: $(VENV)/.installed
 
 install-cookbook: $(VENV)/.cookbook-installed
 
+# OpenEnv (meta-pytorch/OpenEnv) in a venv of its own, for the env servers of the `openenv`
+# interaction's tests (it pulls fastapi, gradio, fastmcp: ~480 MB, never into .venv). The tests
+# run that venv's python (OPENTINKER_OPENENV_PYTHON overrides it); made once.
+OPENENV_VENV ?= .venv-openenv
+OPENENV      ?= openenv==0.10.0
+$(OPENENV_VENV)/.installed:
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/python -m pip install --quiet "$(OPENENV)"
+	touch $@
+
+install-openenv: $(OPENENV_VENV)/.installed
+
 run: install
 	$(VENV)/bin/opentinker quickstart --steps $(STEPS) $(ARGS)
 
@@ -73,11 +85,11 @@ install-chromium:
 	    || echo "warning: could not install chromium; the dashboard's browser tests will skip"; \
 	fi
 
-test: install $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)),install-chromium)
+test: install install-openenv $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)),install-chromium)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(OPENENV_VENV) .pytest_cache
 
 # Every GPU path in one table (benchmarks/gpu_check.py), on a CUDA machine whose python has torch,
 # transformers and peft; never part of CI. WHEELS=<folder> first installs the few small packages

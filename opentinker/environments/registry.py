@@ -22,6 +22,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.interaction import Interaction, InteractionContext
+from opentinker.environments.openenv_interaction import OpenEnvInteraction
 from opentinker.environments.text_interactions import Gsm8kInteraction, SimpleTextEnvironment
 from opentinker.json_value import JsonObject
 
@@ -67,6 +68,7 @@ def _own_path(cls: type) -> str:
 
 _BUILTINS: tuple[type[Interaction], ...] = (
     GymEnvironmentInteraction,
+    OpenEnvInteraction,
     SimpleTextEnvironment,
     Gsm8kInteraction,
 )
@@ -74,6 +76,7 @@ _BUILTINS: tuple[type[Interaction], ...] = (
 #: Short names and other common spellings of the built-ins (verl's and OpenTinker's).
 BUILTIN_ALIASES: dict[str, type[Interaction]] = {
     "gym": GymEnvironmentInteraction,
+    "openenv": OpenEnvInteraction,
     "simple_text": SimpleTextEnvironment,
     "gsm8k": Gsm8kInteraction,
     "verl.interactions.gym_environment_interaction.GymEnvironmentInteraction": GymEnvironmentInteraction,

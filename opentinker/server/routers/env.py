@@ -9,11 +9,17 @@ concurrently on the event loop (async httpx, no thread held), each within
 ``endpoint_check_timeout_s`` and all within ``env_check_budget_s``. A user runs one check at
 a time and the server ``max_concurrent_env_checks`` (429 beyond), so a check against a
 tarpit costs its sender a few seconds and nobody else anything.
+
+An interaction that reads its servers' ``/schema`` (OpenEnv: ``check_schema``) and is not
+relayed also has its config checked against that schema (an ``action_field`` the env's action
+does not have is a problem naming the action's fields), in the same budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
 import httpx
 from fastapi import APIRouter, Depends, Request
 
@@ -71,12 +77,43 @@ async def probe_all(probes: dict[str, list[str]], timeout_s: float, budget_s: fl
         return problems
 
 
+async def check_schemas(checks: list[tuple[str, Any]], timeout_s: float, budget_s: float) -> list[str]:
+    """``checks``: (label, interaction with ``check_schema``); each checks its config against its
+    servers' ``/schema``, all within ``budget_s``; the problems, labelled. Servers that do not
+    answer are left to the /health probes to report."""
+
+    async def one(interaction: Any) -> list[str]:
+        try:
+            return await interaction.check_schema(timeout_s, include_unreachable=False)
+        finally:
+            await interaction.aclose()
+
+    tasks = [asyncio.create_task(one(interaction)) for _, interaction in checks]
+    late: set = set()
+    if tasks:
+        _, late = await asyncio.wait(tasks, timeout=budget_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    problems = []
+    for (label, _), task in zip(checks, tasks):
+        if task in late:
+            problems.append(f"{label}: /schema not read within this check's budget of {budget_s:g} s")
+        elif task.exception() is not None:
+            problems.append(f"{label}: /schema check failed ({type(task.exception()).__name__})")
+        else:
+            problems.extend(f"{label}: {problem}" for problem in task.result())
+    return problems
+
+
 def build_all(body: EnvCheck, registry: InteractionRegistry, settings: ServerSettings,
-              ) -> tuple[list[str], dict[str, list[str]]]:
-    """Each spec built as a job would build it: the problems, and the endpoints to probe
-    (normalised URL -> the labels of the interactions that use it)."""
+              ) -> tuple[list[str], dict[str, list[str]], list[tuple[str, Any]]]:
+    """Each spec built as a job would build it: the problems, the endpoints to probe
+    (normalised URL -> the labels of the interactions that use it) and the interactions
+    whose config is checked against their servers' /schema."""
     problems: list[str] = []
     probes: dict[str, list[str]] = {}
+    schema_checks: list[tuple[str, Any]] = []
     context = settings.job_policy.interaction_context(None)
     for i, spec in enumerate(body.interactions):
         label = f"interactions[{i}] ({spec.name!r})"
@@ -90,7 +127,9 @@ def build_all(body: EnvCheck, registry: InteractionRegistry, settings: ServerSet
             continue  # on the user's machine: its client checks it (GenericEnvironment.setup)
         for url in getattr(interaction, "shards", ()):
             probes.setdefault(url, []).append(label)
-    return problems, probes
+        if hasattr(interaction, "check_schema"):
+            schema_checks.append((label, interaction))
+    return problems, probes, schema_checks
 
 
 @router.post(
@@ -107,7 +146,7 @@ async def check_env(
     settings: ServerSettings = Depends(get_settings),
 ) -> EnvCheckResult:
     # In a thread: checking an endpoint on the server's own port may wait for a DNS lookup.
-    problems, probes = await asyncio.to_thread(build_all, body, registry, settings)
+    problems, probes, schema_checks = await asyncio.to_thread(build_all, body, registry, settings)
     if len(probes) > settings.max_env_check_probes:
         raise ApiError(400, f"interactions: {len(probes)} distinct env endpoints; one check probes at most "
                             f"{settings.max_env_check_probes}: check fewer interactions at a time",
@@ -127,8 +166,10 @@ async def check_env(
         running.add(user.id)
         try:
             async with limiter:
-                problems.extend(await probe_all(probes, settings.endpoint_check_timeout_s,
-                                                settings.env_check_budget_s))
+                found = await asyncio.gather(
+                    probe_all(probes, settings.endpoint_check_timeout_s, settings.env_check_budget_s),
+                    check_schemas(schema_checks, settings.endpoint_check_timeout_s, settings.env_check_budget_s))
+                problems.extend(problem for part in found for problem in part)
         finally:
             running.discard(user.id)
     return EnvCheckResult(ok=not problems, allowed_class_paths=registry.allowed_paths(), problems=problems)

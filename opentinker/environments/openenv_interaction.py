@@ -1,0 +1,646 @@
+"""``OpenEnvInteraction``: train on any OpenEnv environment server, unchanged.
+
+`OpenEnv <https://github.com/meta-pytorch/OpenEnv>`_ servers (``create_fastapi_app(env_factory,
+Action, Observation, max_concurrent_envs=N)``) keep one environment instance per WebSocket
+connection on ``/ws``, so an episode is one session::
+
+    -> {"type": "reset", "data": {"seed"?, "episode_id", **reset_kwargs, **row kwargs}}
+    <- {"type": "observation", "data": {"observation": {<fields>}, "reward": null, "done": false}}
+    -> {"type": "step", "data": {<action_field>: <the model's turn>, **action_extra}}
+    <- {"type": "observation", "data": {"observation": {...}, "reward": 1.0, "done": true}}
+    -> {"type": "close"}                    (the server closes the connection)
+
+and a failure is ``{"type": "error", "data": {"message", "code"}}``. Its HTTP ``/reset`` and
+``/step`` do not share an episode, which is why the WebSocket is used. ``GET /schema`` gives
+the action's and observation's JSON Schemas: before the first session with a server, it is
+read once to pick (or check) the action field that takes the model's text and the observation
+field that becomes the next user turn (:mod:`opentinker.environments.openenv_schema`).
+
+Failures, as the trainer's outage rule needs them (:class:`EnvironmentServerError`):
+
+- ``unreachable=True`` (the trainer waits for ``/health`` and redoes the step): no connection,
+  a timeout, a session that broke (mid-episode too: the env's state is gone with it, and the
+  redone step starts the episode again), and an env that stayed at capacity for ``capacity_wait_s``;
+- ``unreachable=False`` (the env's own error: the sample is left out or gets
+  ``env_error_reward``): ``VALIDATION_ERROR`` (the action does not fit the env's schema),
+  ``EXECUTION_ERROR`` (the env raised), ``FACTORY_ERROR``, the other error codes, a reply
+  of the wrong shape, a schema that does not fit the config.
+
+``CAPACITY_REACHED`` (more sessions than the server's ``max_concurrent_envs``) is neither: the
+episode backs off (exponentially, with jitter, capped) and connects again. Its ``max_sessions``
+is learned per endpoint, and from then on this interaction opens no more sessions there at
+once (the rest queue here, first come first served), so a step's 128 episodes on an env that
+serves 8 run 8 at a time instead of hammering it. Retries of ``NoAnswer`` (``retries``,
+``backoff_s``) apply to the schema and to opening a session and resetting it, never to a step
+(a step cannot be repeated on a new session).
+
+Error messages name the URL (the server's base URL plus ``/ws`` or ``/schema``) and the
+error code, and quote at most 300 characters of the env's message (never a validation
+error's input, which is the model's text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opentinker.environments.gym_interaction import (
+    _MAX_ERROR_CHARS,
+    _UNAVAILABLE_STATUSES,
+    _bounded,
+    _join,
+    _reply_problem,
+    _reply_shape,
+    env_route,
+    probe_health,
+)
+from opentinker.environments.interaction import (
+    MAX_STEPS_REACHED,
+    TRUNCATED,
+    EnvironmentServerError,
+    InitialObservation,
+    Interaction,
+    InteractionContext,
+    last_assistant_content,
+)
+from opentinker.environments.openenv_schema import (
+    action_field_for,
+    field_text,
+    observation_field_for,
+    observation_text,
+)
+from opentinker.environments.relay import RelayTransport
+from opentinker.environments.templates import checked_template, template_names
+from opentinker.environments.transport import BadAnswer, NoAnswer
+
+if TYPE_CHECKING:
+    from opentinker.environments.transport import EnvSession
+
+__all__ = ["OpenEnvInteraction"]
+
+logger = logging.getLogger(__name__)
+
+CAPACITY_REACHED = "CAPACITY_REACHED"
+CAPACITY_FIRST_DELAY_S = 0.1  # the first back-off after a CAPACITY_REACHED; doubles, jittered
+CAPACITY_MAX_DELAY_S = 5.0
+EXCHANGE_SLACK_S = 10.0  # beyond timeout_s, for a message's way through a relay (its own slack is 5 s)
+CLOSE_TIMEOUT_S = 5.0  # closing a session: the close message and the socket's close
+_MAX_LEARNED_SESSIONS = 100_000
+_MAX_NAME_CHARS = 128
+
+
+class _AtCapacity(Exception):
+    def __init__(self, active: Any, maximum: Any):
+        super().__init__("at capacity")
+        self.active = active if _count(active) else None
+        self.maximum = maximum if _count(maximum) else None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class _SessionGate:
+    """How many sessions this interaction may hold with one env server at once (None: not yet
+    known), and the episodes waiting for one, first come first served. ``release`` is
+    synchronous, so a cancelled episode can always give its slot back."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.held = 0
+        self._waiting: deque[asyncio.Future] = deque()
+
+    def _free(self) -> bool:
+        return self.limit is None or self.held < self.limit
+
+    async def acquire(self, timeout_s: float) -> bool:
+        """Take a slot within ``timeout_s``; False when none came."""
+        if self._free() and not self._waiting:
+            self.held += 1
+            return True
+        if timeout_s <= 0:
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)  # _wake counted the slot as held for us
+            return True
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():  # handed a slot, then cancelled: give it back
+                self.release()
+            raise
+        finally:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+
+    def release(self) -> None:
+        self.held -= 1
+        self._wake()
+
+    def learn(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting and self._free():
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                self.held += 1
+                waiter.set_result(None)
+
+
+@dataclass
+class _Plan:
+    """How to talk to one env server, from its /schema."""
+
+    action_field: str
+    observation_field: str | None
+
+
+@dataclass
+class _Episode:
+    base: str
+    session: EnvSession | None = None
+    gate: _SessionGate | None = None
+    plan: _Plan | None = None
+    observation: InitialObservation | None = None
+    steps: int = 0
+    done: bool = False
+
+
+def _field_name(value: Any, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME_CHARS:
+        raise ValueError(f"{key} must be a field name (a string of 1 to {_MAX_NAME_CHARS} characters)")
+    return value
+
+
+def _fields(value: Any, key: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a dict, got {type(value).__name__}")
+    return dict(value)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+def _error_text(data: Any) -> str:
+    """``CODE: message`` of an OpenEnv error message's data (a validation error's field problems,
+    never its input), at most ~300 characters of the env's text."""
+    if not isinstance(data, dict):
+        return "an error message without data"
+    code = data.get("code")
+    code = code[:40] if isinstance(code, str) and code else "no code"
+    message = data.get("message")
+    text = message if isinstance(message, str) else ""
+    errors = data.get("errors")
+    if isinstance(errors, list):
+        problems = []
+        for error in errors[:5]:
+            if isinstance(error, dict):
+                loc = error.get("loc")
+                where = ".".join(str(part) for part in loc) if isinstance(loc, list) else ""
+                what = error.get("msg") if isinstance(error.get("msg"), str) else ""
+                problems.append(f"{where}: {what}" if where else what)
+        if problems:
+            text = f"{text} ({'; '.join(problems)})" if text else "; ".join(problems)
+    return f"{code}: {_clip(text)}" if text else code
+
+
+def _error_of(reply: Any) -> dict | None:
+    """The data of an OpenEnv error message (``{"type": "error", "data": ...}``), else None."""
+    if isinstance(reply, dict) and reply.get("type") == "error":
+        data = reply.get("data")
+        return data if isinstance(data, dict) else {}
+    return None
+
+
+class OpenEnvInteraction(Interaction):
+    """Client of an OpenEnv server (see the module docstring for the protocol and its failures).
+
+    Config keys (sent by a job's client, so each is bounded):
+        env_endpoint, env_shards, relay: the servers and the route, as for the gym interaction
+            (an episode goes to the shard of its instance id's stable hash).
+        max_steps: steps after which the episode ends (truncated); 20, in [1, 1000].
+        action_field: the action field that takes the model's turn text (a string field of the
+            env's action); left out, picked from /schema: the only string field, else a usual
+            name ("text", "message", "content", "response", "answer", "action", ...).
+        action_extra: other action fields, sent with every step (e.g. ``{"mode": "play"}``).
+        observation_field: the observation field whose text is the next user turn; left out, the
+            only string field, else a usual name ("text", "message", "prompt", "observation",
+            "content", "feedback", ...), else the observation as JSON.
+        observation_template: how a step's observation becomes the next user turn; may use
+            ``{observation}`` (the chosen field's text), ``{reward}``, ``{step}`` and the
+            observation's own fields by name (``{board}``, as text). The reset's observation
+            opens the chat as it is.
+        reset_kwargs: dict merged into every reset (before the row's interaction kwargs; the
+            trainer's ``seed`` and the instance id as ``episode_id`` go last).
+        timeout_s: each message's timeout, 30, in (0, 300]. retries: retries of an unreachable
+            server when opening a session or reading /schema, 2, in [0, 10]. backoff_s: the
+            first retry's delay (doubling), 0.2, in [0, 30]. max_connections: 256, in [1, 1024].
+        capacity_wait_s: how long an episode may wait for a session of a server at capacity
+            before it fails as unreachable; 300, in [0, 3600].
+    """
+
+    config_keys = frozenset({"env_endpoint", "env_shards", "relay", "max_steps", "action_field", "action_extra",
+                             "observation_field", "observation_template", "reset_kwargs", "timeout_s", "retries",
+                             "backoff_s", "max_connections", "capacity_wait_s"})
+
+    def __init__(self, config: dict[str, Any], context: InteractionContext | None = None):
+        super().__init__(config)
+        context = context or InteractionContext()
+        cfg = self.config
+        self.max_steps: int = _bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
+        self.timeout_s: float = _bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
+        self.retries: int = _bounded(cfg, "retries", 2, 0, 10, integer=True)
+        self.backoff_s: float = _bounded(cfg, "backoff_s", 0.2, 0, 30, integer=False)
+        self.max_connections: int = _bounded(cfg, "max_connections", 256, 1, 1024, integer=True)
+        self.capacity_wait_s: float = _bounded(cfg, "capacity_wait_s", 300.0, 0, 3600, integer=False)
+        self.action_field = _field_name(cfg.get("action_field"), "action_field")
+        self.observation_field = _field_name(cfg.get("observation_field"), "observation_field")
+        self.action_extra = _fields(cfg.get("action_extra"), "action_extra")
+        self.reset_kwargs = _fields(cfg.get("reset_kwargs"), "reset_kwargs")
+        template = cfg.get("observation_template")
+        self.observation_template = None if template is None else checked_template(template, named_fields=True)
+        self._template_names = template_names(self.observation_template) if self.observation_template else []
+        self.shards, self._transport = env_route(cfg, context, timeout_s=self.timeout_s,
+                                                 max_connections=self.max_connections)
+        self.relayed = isinstance(self._transport, RelayTransport)
+        self._episodes: dict[str, _Episode] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._limits: dict[str, int] = {}  # learned max_sessions per base URL
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gates: dict[str, _SessionGate] = {}
+        self._plan_locks: dict[str, asyncio.Lock] = {}
+        #: CAPACITY_REACHED answers seen (each one a session refused and tried again later).
+        self.capacity_refusals = 0
+
+    @classmethod
+    def create(cls, config: dict[str, Any] | None, context: InteractionContext | None = None) -> OpenEnvInteraction:
+        return cls(dict(config or {}), context)
+
+    # -- where calls go ---------------------------------------------------------------
+
+    def shard_for(self, instance_id: str) -> str:
+        """The base URL serving ``instance_id``: stable across calls and processes."""
+        return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
+
+    def endpoint_for(self, instance_id: str) -> str:
+        return self._transport.describe(self.shard_for(instance_id))
+
+    def endpoints(self) -> dict[str, str]:
+        """``{what errors call a server: its base URL}`` for every shard."""
+        return {self._transport.describe(url): url for url in self.shards}
+
+    async def check_health(self, endpoint: str, timeout_s: float) -> None:
+        """``GET /health`` of the server that errors call ``endpoint``, by this interaction's route."""
+        await probe_health(self._transport, self.endpoints()[endpoint], timeout_s)
+
+    async def check_endpoints(self, timeout_s: float = 5.0) -> None:
+        """``GET /health`` of every shard by this interaction's route, concurrently."""
+        await asyncio.gather(*(probe_health(self._transport, url, timeout_s) for url in self.shards))
+
+    def _ws_url(self, base: str) -> str:
+        return _join(self._transport.describe(base), "ws")
+
+    def call_deadline_s(self) -> float:
+        """The longest a call may take: a start that reads /schema, waits ``capacity_wait_s`` for
+        a session and opens one with every retry, plus a second. Steps are far shorter: each is
+        one message, bounded here by ``timeout_s`` (plus a relay's slack)."""
+        backoffs = self.backoff_s * (2 ** self.retries - 1)
+        schema = (self.retries + 1) * (self.timeout_s + EXCHANGE_SLACK_S) + backoffs
+        attempt = self.timeout_s + 2 * (self.timeout_s + EXCHANGE_SLACK_S) + 2 * CLOSE_TIMEOUT_S
+        opening = (self.retries + 1) * attempt + backoffs
+        return schema + self.capacity_wait_s + CAPACITY_MAX_DELAY_S + opening + 1.0
+
+    # -- per event loop state ----------------------------------------------------------
+
+    def _for_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # gates and locks belong to one loop (the agent runner's)
+            self._loop, self._gates, self._plan_locks = loop, {}, {}
+
+    def _gate(self, base: str) -> _SessionGate:
+        self._for_loop()
+        gate = self._gates.get(base)
+        if gate is None:
+            gate = self._gates[base] = _SessionGate(self._limits.get(base))
+        return gate
+
+    # -- /schema -----------------------------------------------------------------------
+
+    async def _fetch_schema(self, base: str, timeout_s: float, retries: int) -> Any:
+        url = _join(self._transport.describe(base), "schema")
+        for attempt in range(retries + 1):
+            tries = f" (after {attempt + 1} attempts)" if attempt else ""
+            try:
+                answer = await self._transport.request("GET", base, "schema", timeout_s)
+            except NoAnswer as exc:
+                if attempt < retries:
+                    await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                    continue
+                raise EnvironmentServerError(url, f"unreachable ({exc}){tries}; is the environment server running?",
+                                             unreachable=True) from exc
+            except (BadAnswer, ValueError) as exc:
+                raise EnvironmentServerError(url, str(exc)) from exc
+            if answer.status in _UNAVAILABLE_STATUSES and attempt < retries:
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                continue
+            if not 200 <= answer.status < 300:
+                raise EnvironmentServerError(url, f"{_reply_problem(answer)}{tries}; is it an OpenEnv server?",
+                                             unreachable=answer.status in _UNAVAILABLE_STATUSES)
+            try:
+                return answer.json()
+            except ValueError as exc:
+                raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(answer)})") from exc
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _plan_from(self, schema: Any) -> _Plan:
+        """ValueError when the config does not fit the schema."""
+        action_field = action_field_for(schema, self.action_field, self.action_extra)
+        observation_field = observation_field_for(schema, self.observation_field, self._template_names)
+        return _Plan(action_field, observation_field)
+
+    async def _plan(self, base: str) -> _Plan:
+        plan = self._plans.get(base)
+        if plan is not None:
+            return plan
+        self._for_loop()
+        lock = self._plan_locks.setdefault(base, asyncio.Lock())
+        async with lock:  # one /schema read per server, however many episodes start at once
+            plan = self._plans.get(base)
+            if plan is None:
+                schema = await self._fetch_schema(base, self.timeout_s, self.retries)
+                try:
+                    plan = self._plan_from(schema)
+                except ValueError as exc:
+                    raise EnvironmentServerError(_join(self._transport.describe(base), "schema"), str(exc)) from exc
+                self._plans[base] = plan
+        return plan
+
+    async def check_schema(self, timeout_s: float = 5.0, include_unreachable: bool = True) -> list[str]:
+        """What keeps this config from working with its servers' ``/schema`` (an action_field the
+        env's action does not have, ...), one problem per server; empty when it fits. One try per
+        server, each within ``timeout_s``. ``include_unreachable=False`` leaves out servers that
+        did not answer (for a check that reports those from ``/health`` already)."""
+
+        async def one(base: str) -> str | None:
+            try:
+                schema = await self._fetch_schema(base, timeout_s, retries=0)
+                self._plan_from(schema)
+            except EnvironmentServerError as exc:
+                return str(exc) if include_unreachable or not exc.unreachable else None
+            except ValueError as exc:
+                return f"{_join(self._transport.describe(base), 'schema')}: {exc}"
+            return None
+
+        problems = await asyncio.gather(*(one(base) for base in self.shards))
+        return [problem for problem in problems if problem]
+
+    # -- sessions ----------------------------------------------------------------------
+
+    async def _exchange(self, session: EnvSession, message: dict[str, Any]) -> Any:
+        try:
+            return await asyncio.wait_for(session.exchange(message, self.timeout_s),
+                                          self.timeout_s + EXCHANGE_SLACK_S)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise NoAnswer(f"no answer within {self.timeout_s:g}s") from None
+
+    async def _close_session(self, session: EnvSession) -> None:
+        """Send ``close`` (the server ends the session and closes the connection, no answer),
+        then close our end; never raises."""
+        try:
+            await asyncio.wait_for(session.exchange({"type": "close"}, CLOSE_TIMEOUT_S), CLOSE_TIMEOUT_S + 1.0)
+        except Exception:  # the usual outcome: "closed by the env server"
+            pass
+        try:
+            await asyncio.wait_for(session.close(), CLOSE_TIMEOUT_S + 1.0)
+        except Exception:
+            pass
+
+    async def _release(self, episode: _Episode) -> None:
+        """Close the episode's session (if any) and give its slot back; idempotent."""
+        session, episode.session = episode.session, None
+        gate, episode.gate = episode.gate, None
+        try:
+            if session is not None:
+                await self._close_session(session)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    async def _open(self, episode: _Episode, reset: dict[str, Any]) -> Any:
+        """A session for ``episode`` (kept on it) and the env's reply to ``reset`` on it: waits
+        for a slot, backs off from CAPACITY_REACHED and retries an unreachable server."""
+        base, url = episode.base, self._ws_url(episode.base)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.capacity_wait_s
+        gate = self._gate(base)
+        failures = refusals = 0
+        while True:
+            if not await gate.acquire(deadline - loop.time()):
+                raise EnvironmentServerError(
+                    url, f"no env session free within capacity_wait_s={self.capacity_wait_s:g}s (the server takes "
+                         f"{gate.limit} sessions at once; this interaction's other episodes hold them)",
+                    unreachable=True)
+            episode.gate = gate
+            try:
+                episode.session = await self._transport.open_session(base, "ws", self.timeout_s)
+                reply = await self._exchange(episode.session, reset)
+                refused = _error_of(reply)
+                if refused is not None and refused.get("code") == CAPACITY_REACHED:
+                    raise _AtCapacity(refused.get("active_sessions"), refused.get("max_sessions"))
+                return reply
+            except _AtCapacity as full:
+                await self._release(episode)
+                self.capacity_refusals += 1
+                refusals += 1
+                self._learn_limit(base, gate, full.maximum)
+                delay = min(CAPACITY_MAX_DELAY_S, CAPACITY_FIRST_DELAY_S * 2 ** (refusals - 1))
+                delay *= random.uniform(0.5, 1.0)
+                if loop.time() + delay > deadline:
+                    at = f" ({full.active}/{full.maximum} sessions)" if full.maximum is not None else ""
+                    raise EnvironmentServerError(
+                        url, f"the env server stayed at capacity{at} for capacity_wait_s={self.capacity_wait_s:g}s "
+                             f"({refusals} tries)", unreachable=True) from None
+                await asyncio.sleep(delay)
+            except NoAnswer as exc:
+                await self._release(episode)
+                failures += 1
+                if failures > self.retries:
+                    tries = f" (after {failures} attempts)" if failures > 1 else ""
+                    raise EnvironmentServerError(url, f"{exc}{tries}", unreachable=True) from exc
+                logger.warning("%s failed (%s); retry %d/%d", url, exc, failures, self.retries)
+                await asyncio.sleep(self.backoff_s * 2 ** (failures - 1))
+            except (BadAnswer, ValueError) as exc:
+                await self._release(episode)
+                raise EnvironmentServerError(url, str(exc)) from exc
+
+    def _learn_limit(self, base: str, gate: _SessionGate, maximum: int | None) -> None:
+        """From a CAPACITY_REACHED: the server's own limit, else the sessions held here now."""
+        limit = maximum if maximum is not None else gate.held
+        limit = min(max(1, limit), _MAX_LEARNED_SESSIONS)
+        if self._limits.get(base) != limit:
+            logger.info("%s serves %d sessions at once: this interaction opens no more there at once",
+                        self._ws_url(base), limit)
+        self._limits[base] = limit
+        gate.learn(limit)
+
+    # -- replies -----------------------------------------------------------------------
+
+    @staticmethod
+    def _observation_data(url: str, reply: Any, what: str) -> dict[str, Any]:
+        """The data of an observation message, or EnvironmentServerError (the env's own error)."""
+        error = _error_of(reply)
+        if error is not None:
+            raise EnvironmentServerError(url, f"{what} answered {_error_text(error)}")
+        if not isinstance(reply, dict):
+            raise EnvironmentServerError(url, f"{what}: expected a JSON object, got {type(reply).__name__}")
+        kind = reply.get("type")
+        data = reply.get("data")
+        if kind != "observation" or not isinstance(data, dict):
+            shown = repr(kind[:40]) if isinstance(kind, str) else type(kind).__name__
+            raise EnvironmentServerError(url, f"{what}: expected an observation message, got type {shown}")
+        if not isinstance(data.get("observation"), dict):
+            raise EnvironmentServerError(url, f"{what}: the observation message has no 'observation' object")
+        return data
+
+    @staticmethod
+    def _reward_done(url: str, data: dict[str, Any]) -> tuple[float, bool]:
+        reward = data.get("reward")
+        if reward is None:
+            reward = 0.0
+        if isinstance(reward, bool):
+            reward = float(reward)
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise EnvironmentServerError(url, f"step: 'reward' must be a finite number or null, got "
+                                              f"{type(reward).__name__ if not isinstance(reward, float) else reward}")
+        done = data.get("done")
+        if done is None:
+            done = False
+        if not isinstance(done, bool):
+            raise EnvironmentServerError(url, f"step: 'done' must be a boolean, got {type(done).__name__}")
+        return float(reward), done
+
+    # -- the interaction API -------------------------------------------------------------
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        """Open a session on the instance's shard and reset it (``seed`` from the kwargs when
+        given, ``episode_id`` the instance id); keep its observation."""
+        instance_id = await super().start_interaction(instance_id)
+        episode = _Episode(self.shard_for(instance_id))
+        self._episodes[instance_id] = episode  # so that finalize frees what a start cut short holds
+        url = self._ws_url(episode.base)
+        try:
+            episode.plan = await self._plan(episode.base)
+            data: dict[str, Any] = {**self.reset_kwargs, **kwargs}
+            if data.get("seed") is None:  # left out rather than sent as null
+                data.pop("seed", None)
+            data["episode_id"] = instance_id
+            reply = await self._open(episode, {"type": "reset", "data": data})
+            observation = self._observation_data(url, reply, "reset")["observation"]
+            episode.observation = InitialObservation(observation_text(observation, episode.plan.observation_field))
+        except BaseException:
+            if self._episodes.get(instance_id) is episode:
+                del self._episodes[instance_id]
+            self._rewards.pop(instance_id, None)
+            await self._release(episode)
+            raise
+        return instance_id
+
+    def _episode(self, instance_id: str) -> _Episode:
+        episode = self._episodes.get(instance_id)
+        if episode is None or episode.observation is None:
+            raise KeyError(f"unknown instance {instance_id!r} of interaction {self.name!r}: "
+                           "start_interaction was not called or the instance was finalized")
+        return episode
+
+    async def initial_observation(self, instance_id: str) -> InitialObservation | None:
+        """The reset's observation (its chosen field's text)."""
+        return self._episode(instance_id).observation
+
+    async def generate_response(
+        self, instance_id: str, messages: list[dict[str, str]], **kwargs: Any
+    ) -> tuple[bool, str, float, dict[str, Any]]:
+        """Step the session with the last assistant message in the action field."""
+        episode = self._episode(instance_id)
+        if episode.done:
+            return True, "", 0.0, {"step": episode.steps, "already_done": True}
+        url = self._ws_url(episode.base)
+        step = episode.steps + 1
+        if episode.session is None:
+            raise EnvironmentServerError(url, f"step {step}: the episode's session is gone (it broke earlier)",
+                                         unreachable=True)
+        assert episode.plan is not None
+        action = {**self.action_extra, episode.plan.action_field: last_assistant_content(messages)}
+        try:
+            reply = await self._exchange(episode.session, {"type": "step", "data": action})
+        except NoAnswer as exc:
+            await self._release(episode)
+            raise EnvironmentServerError(
+                url, f"step {step}: no answer ({exc}); the episode cannot go on in a new session (its env "
+                     "state was in this one)", unreachable=True) from exc
+        except BadAnswer as exc:
+            await self._release(episode)
+            raise EnvironmentServerError(url, f"step {step}: {exc}") from exc
+        data = self._observation_data(url, reply, f"step {step}")
+        reward, done = self._reward_done(url, data)
+        episode.steps = step
+        self._record_reward(instance_id, reward)  # calculate_score: the sum of the step rewards
+        info: dict[str, Any] = {"step": step}
+        if not done and step >= self.max_steps:
+            done = True
+            info[TRUNCATED] = True
+            info[MAX_STEPS_REACHED] = True
+        episode.done = done
+        observation = data["observation"]
+        text = observation_text(observation, episode.plan.observation_field)
+        if self.observation_template is not None:
+            named = {name: field_text(observation.get(name)) for name in self._template_names}
+            text = self.observation_template.format(**named, observation=text, reward=reward, step=step)
+        return done, text, reward, info
+
+    async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
+        """Forget the instance; send ``close`` and close its session (never raises)."""
+        episode = self._episodes.pop(instance_id, None)
+        await super().finalize_interaction(instance_id)
+        if episode is None:
+            return
+        try:
+            await self._release(episode)
+        except Exception as exc:  # never raise from cleanup
+            logger.warning("closing the session of instance %s failed: %r", instance_id, exc)
+
+    async def aclose(self) -> None:
+        """Close every session still open and the transport's connections (the interaction can
+        be used again: new ones are made)."""
+        episodes, self._episodes = list(self._episodes.values()), {}
+        await asyncio.gather(*(self._release(episode) for episode in episodes), return_exceptions=True)
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> OpenEnvInteraction:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def active_instances(self) -> int:
+        return len(self._episodes)
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions this interaction holds open now (for tests and stats)."""
+        return sum(1 for episode in self._episodes.values() if episode.session is not None)
