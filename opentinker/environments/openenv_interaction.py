@@ -169,7 +169,7 @@ class _Plan:
 class _Episode:
     base: str
     session: EnvSession | None = None
-    gate: _SessionGate | None = None
+    gates: tuple[_SessionGate, ...] = ()  # the slots it holds (its server's, the connection pool's)
     plan: _Plan | None = None
     observation: InitialObservation | None = None
     steps: int = 0
@@ -249,7 +249,9 @@ class OpenEnvInteraction(Interaction):
             trainer's ``seed`` and the instance id as ``episode_id`` go last).
         timeout_s: each message's timeout, 30, in (0, 300]. retries: retries of an unreachable
             server when opening a session or reading /schema, 2, in [0, 10]. backoff_s: the
-            first retry's delay (doubling), 0.2, in [0, 30]. max_connections: 256, in [1, 1024].
+            first retry's delay (doubling), 0.2, in [0, 30]. max_connections: the connection pool,
+            256, in [1, 1024]; a session holds one for its whole episode, so at most
+            ``max_connections - 2`` sessions are open at once (more episodes wait for one).
         capacity_wait_s: how long an episode may wait for a session of a server at capacity
             before it fails as unreachable; 300, in [0, 3600].
     """
@@ -283,6 +285,7 @@ class OpenEnvInteraction(Interaction):
         self._limits: dict[str, int] = {}  # learned max_sessions per base URL
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gates: dict[str, _SessionGate] = {}
+        self._pool: _SessionGate | None = None
         self._plan_locks: dict[str, asyncio.Lock] = {}
         #: CAPACITY_REACHED answers seen (each one a session refused and tried again later).
         self.capacity_refusals = 0
@@ -330,7 +333,7 @@ class OpenEnvInteraction(Interaction):
     def _for_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # gates and locks belong to one loop (the agent runner's)
-            self._loop, self._gates, self._plan_locks = loop, {}, {}
+            self._loop, self._gates, self._plan_locks, self._pool = loop, {}, {}, None
 
     def _gate(self, base: str) -> _SessionGate:
         self._for_loop()
@@ -338,6 +341,19 @@ class OpenEnvInteraction(Interaction):
         if gate is None:
             gate = self._gates[base] = _SessionGate(self._limits.get(base))
         return gate
+
+    @property
+    def session_limit(self) -> int:
+        """The most sessions this interaction holds at once over all its servers: a session keeps
+        its connection from the pool of ``max_connections`` for its whole episode, and two stay
+        free for /health and /schema."""
+        return max(1, self.max_connections - 2)
+
+    def _pool_gate(self) -> _SessionGate:
+        self._for_loop()
+        if self._pool is None:
+            self._pool = _SessionGate(self.session_limit)
+        return self._pool
 
     # -- /schema -----------------------------------------------------------------------
 
@@ -433,12 +449,12 @@ class OpenEnvInteraction(Interaction):
     async def _release(self, episode: _Episode) -> None:
         """Close the episode's session (if any) and give its slot back; idempotent."""
         session, episode.session = episode.session, None
-        gate, episode.gate = episode.gate, None
+        gates, episode.gates = episode.gates, ()
         try:
             if session is not None:
                 await self._close_session(session)
         finally:
-            if gate is not None:
+            for gate in gates:
                 gate.release()
 
     async def _open(self, episode: _Episode, reset: dict[str, Any]) -> Any:
@@ -447,7 +463,7 @@ class OpenEnvInteraction(Interaction):
         base, url = episode.base, self._ws_url(episode.base)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.capacity_wait_s
-        gate = self._gate(base)
+        gate, pool = self._gate(base), self._pool_gate()
         failures = refusals = 0
         while True:
             if not await gate.acquire(deadline - loop.time()):
@@ -455,7 +471,14 @@ class OpenEnvInteraction(Interaction):
                     url, f"no env session free within capacity_wait_s={self.capacity_wait_s:g}s (the server takes "
                          f"{gate.limit} sessions at once; this interaction's other episodes hold them)",
                     unreachable=True)
-            episode.gate = gate
+            episode.gates = (gate,)
+            if not await pool.acquire(deadline - loop.time()):
+                await self._release(episode)
+                raise EnvironmentServerError(
+                    url, f"no connection free for a session within capacity_wait_s={self.capacity_wait_s:g}s "
+                         f"(max_connections={self.max_connections} holds {pool.limit} sessions at once; this "
+                         "interaction's other episodes hold them)", unreachable=True)
+            episode.gates = (gate, pool)
             try:
                 episode.session = await self._transport.open_session(base, "ws", self.timeout_s)
                 reply = await self._exchange(episode.session, reset)

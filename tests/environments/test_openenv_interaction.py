@@ -279,6 +279,34 @@ def test_sixteen_episodes_share_two_sessions_without_errors(tmp_path):
     assert refusals <= 16  # the first wave's 14; the queue kept the rest from being refused
 
 
+def test_sessions_are_bounded_by_the_connection_pool(server):
+    """A session keeps its pooled connection for the whole episode: more episodes than the pool
+    holds wait for one (instead of timing out in the pool), and two connections stay free."""
+
+    seen = []
+
+    async def episode(env: OpenEnvInteraction, seed: int) -> float:
+        iid = await env.start_interaction(f"pool-{seed}", seed=seed)
+        seen.append(env.open_sessions)
+        try:
+            _, answer = question(seed)
+            await asyncio.sleep(0.3)  # longer than timeout_s would let a connection wait in the pool
+            await env.check_health(server.url, 2.0)  # a free connection for /health all along
+            return (await env.generate_response(iid, turn(str(answer))))[2]
+        finally:
+            await env.finalize_interaction(iid)
+
+    async def main():
+        async with make_env(server.url, max_connections=4, timeout_s=0.25) as env:
+            assert env.session_limit == 2
+            return await asyncio.gather(*(episode(env, 100 + seed) for seed in range(8))), env.capacity_refusals
+
+    rewards, refusals = run(main())
+    assert rewards == [1.0] * 8 and refusals == 0
+    assert max(seen) == 2 and len(seen) == 8
+    assert server.wait_idle()["live"] == 0
+
+
 def test_an_episode_waits_for_capacity_past_a_steps_deadline_and_gives_up_after_capacity_wait_s(tmp_path):
     """call_deadline_s (what the agent loop waits for one call) covers a start that waits
     for a session; a step's own bound is timeout_s."""
