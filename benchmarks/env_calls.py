@@ -10,16 +10,27 @@ aiohttp, ``opentinker/environments/env_http.py``) and through an ``httpx.AsyncCl
 same connection limit posting the same bodies (what the interaction used before), in turns.
 Printed per client: wall seconds per round and this process's CPU seconds per round (medians
 after a first round of each), and their ratios.
+
+    python benchmarks/env_calls.py --relay [--episodes 128] [--rounds 5]
+
+The same rounds direct and through a job's client relay (``relay: client``), side by side in
+one job: a real ``opentinker-server`` app (uvicorn on loopback, Ray) runs a job whose runner
+(:class:`RelayRounds`, in its Ray actor like a real job's agent loops) sends each round once
+straight to the env server and once through its RelayHub -> the server's relay route -> the
+WebSocket -> this process's :class:`~opentinker.client.relay.EnvRelay` -> the env server.
+Printed: the median wall seconds per round of each and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -85,12 +96,146 @@ async def compare(url: str, episodes: int, rounds: int) -> dict[str, tuple[float
             for name, s in samples.items()}
 
 
+async def relay_rounds(config: dict, context, hub, episodes: int, rounds: int) -> dict[str, float]:
+    """Median wall seconds of a round direct and through the relay, in turns (in the job's actor).
+    A function, not a method: an async method would make Ray run the runner as an async actor."""
+    direct = GymEnvironmentInteraction({"env_endpoint": config["env_endpoint"], "name": "arith"})
+    relayed = GymEnvironmentInteraction.create({**config, "name": "arith"}, context)
+    while not hub.status()["connected"]:
+        await asyncio.sleep(0.05)
+    walls: dict[str, list[float]] = {"direct": [], "relay": []}
+    for index in range(rounds + 1):  # the first round of each warms its connections up
+        for name, interaction in (("direct", direct), ("relay", relayed)):
+            wall = time.perf_counter()
+            await through_the_interaction(interaction, episodes, f"{name}-{index}")
+            walls[name].append(time.perf_counter() - wall)
+    await direct.aclose()
+    return {f"{name}_s": statistics.median(values[1:]) for name, values in walls.items()}
+
+
+class RelayRounds:
+    """A job runner (the JobManager's contract) whose run is the benchmark: rounds of episodes
+    through a direct interaction and a relayed one, in turns, reported as a metrics event."""
+
+    def __init__(self, job_id, spec, job_dir, policy, resume_from_step=None):
+        from opentinker.environments.relay import RelayHub
+
+        self.job_id = job_id
+        self.config = spec["interactions"][0]["config"]
+        self.episodes, self.rounds = int(spec["name"].split("x")[0]), int(spec["name"].split("x")[1])
+        self.relay = RelayHub(max_in_flight=policy.env_relay_in_flight)
+        self.context = policy.interaction_context(job_id, self.relay)
+        self._events: list[dict] = []
+
+    def run(self) -> dict:
+        walls = asyncio.run(relay_rounds(self.config, self.context, self.relay, self.episodes, self.rounds))
+        self._events.append({"type": "metrics", "data": {"step": 1, "metrics": walls}})
+        return {"status": "completed", "error": None, "step": 1}
+
+    def drain_events(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+    def cancel(self) -> None:
+        pass
+
+    def relay_attach(self) -> int:
+        return self.relay.attach()
+
+    def relay_detach(self, connection: int) -> None:
+        self.relay.detach(connection)
+
+    def relay_take(self, connection: int, max_calls: int, wait_s: float):
+        return self.relay.take(connection, max_calls, wait_s)
+
+    def relay_answer(self, connection: int, answers: list[dict]) -> None:
+        self.relay.answer(connection, answers)
+
+
+def relay_compare(url: str, episodes: int, rounds: int) -> dict[str, float]:
+    """The rounds of :class:`RelayRounds` in a job of a real server app on loopback."""
+    import tempfile
+    import threading
+
+    import ray
+    import uvicorn
+
+    from opentinker import OpenTinkerClient
+    from opentinker.environments.registry import InteractionSpec
+    from opentinker.server import auth
+    from opentinker.server.app import create_app
+    from opentinker.server.settings import ServerSettings
+    from opentinker.server.store import Store
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship RelayRounds to the actor by value
+    with tempfile.TemporaryDirectory() as data, bind_listening_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        settings = ServerSettings(data_dir=Path(data), port=port, ray_address="auto")
+        store = Store(settings.db_path)
+        key = auth.create_api_key(store, auth.create_user(store, "bench"))
+        store.close()
+        app = create_app(settings, runner_cls=RelayRounds)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **settings.uvicorn_options()))
+        thread = threading.Thread(target=lambda: server.run(sockets=[sock]), daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            spec = InteractionSpec(name="arith", class_path="gym", config={"env_endpoint": url, "relay": "client"})
+            with OpenTinkerClient(f"http://127.0.0.1:{port}", key) as client:
+                job = client.create_job({"name": f"{episodes}x{rounds}", "config": {},
+                                         "interactions": [spec.model_dump()]})
+                # The client relay in a process of its own, as on the user's machine.
+                carrier = subprocess.Popen([sys.executable, __file__, "--carry", job.job_id, client.base_url, url],
+                                           env={**os.environ, "OPENTINKER_API_KEY": key})
+                try:
+                    info = job.wait(progress=False)
+                finally:
+                    carrier.wait(30)
+                assert info.status.value == "completed", info
+                return job.metrics()[-1]["metrics"]
+        finally:
+            server.should_exit = True
+            thread.join(30)
+            ray.shutdown()
+
+
+def carry(job_id: str, server_url: str, env_url: str) -> None:
+    """The client side of ``--relay``: carry the job's env calls until the server ends the relay."""
+    from opentinker import OpenTinkerClient
+    from opentinker.client.relay import EnvRelay
+    from opentinker.environments.registry import InteractionSpec
+
+    spec = InteractionSpec(name="arith", class_path="gym", config={"env_endpoint": env_url, "relay": "client"})
+    with OpenTinkerClient(server_url) as client:
+        relay = EnvRelay(client, job_id, [spec]).start()
+        while relay.running:
+            time.sleep(0.2)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--carry"]:
+        carry(*sys.argv[2:5])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=128, help="episodes per round (a step's trajectories)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--relay", action="store_true", help="direct vs through a job's client relay")
     args = parser.parse_args()
     server, url = start_env_server()
+    if args.relay:
+        try:
+            walls = relay_compare(url, args.episodes, args.rounds)
+        finally:
+            server.kill()
+            server.wait()
+        print(f"{args.episodes} episodes at once ({3 * args.episodes} calls), in a job's runner, median of "
+              f"{args.rounds} rounds after a first one:")
+        print(f"  direct (aiohttp from the runner)   wall {walls['direct_s']:6.3f} s")
+        print(f"  relay (server -> client -> env)    wall {walls['relay_s']:6.3f} s")
+        print(f"  relay / direct: wall x{walls['relay_s'] / walls['direct_s']:.2f}")
+        return
     try:
         results = asyncio.run(compare(url, args.episodes, args.rounds))
     finally:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from opentinker.client.local_http import LocalCallFailed, LocalHTTP
 from opentinker.environments.registry import InteractionSpec
 from opentinker.environments.relay import relay_mode
 from opentinker.environments.transport import MAX_ANSWER_BYTES
@@ -218,7 +219,7 @@ class EnvRelay:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
         self._sessions: dict[str, Any] = {}
-        self._http: httpx.AsyncClient | None = None
+        self._http: LocalHTTP | None = None
 
     def __repr__(self) -> str:
         return f"EnvRelay(job={self.job_id!r}, interactions={sorted(self.routes)}, connected={self.connected})"
@@ -281,9 +282,8 @@ class EnvRelay:
         headers = {"Authorization": f"Bearer {self.client.api_key}"}
         loopback = httpx.URL(self.client.base_url).host in ("127.0.0.1", "localhost", "::1")
         failures = 0
-        limits = httpx.Limits(max_connections=self.max_concurrent, max_keepalive_connections=self.max_concurrent)
-        async with httpx.AsyncClient(trust_env=False, follow_redirects=False, limits=limits) as http:
-            self._http = http
+        self._http = LocalHTTP(max_body_bytes=MAX_ANSWER_BYTES)
+        try:
             while not self._stopping.is_set():
                 try:
                     async with connect(url, additional_headers=headers, max_size=MAX_CALL_BYTES, compression=None,
@@ -308,6 +308,8 @@ class EnvRelay:
                 delay = min(10.0, 0.25 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
                 with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                     await asyncio.wait_for(asyncio.shield(self._stopped()), delay)
+        finally:
+            await self._http.aclose()
 
     async def _stopped(self) -> None:
         while not self._stopping.is_set():
@@ -402,23 +404,14 @@ class EnvRelay:
         timeout = _timeout(call)
         assert self._http is not None
         try:
-            async with self._http.stream(method, f"{base}/{path}", json=body if method == "POST" else None,
-                                         timeout=timeout) as response:
-                chunks, size = [], 0
-                async for chunk in response.aiter_raw():
-                    size += len(chunk)
-                    if size > MAX_ANSWER_BYTES:
-                        return {"error": "bad_answer", "detail": f"answer larger than {MAX_ANSWER_BYTES} bytes"}
-                    chunks.append(chunk)
-        except httpx.TimeoutException as exc:
-            return {"error": "no_answer", "detail": f"timed out after {timeout:g}s ({type(exc).__name__})"}
-        except httpx.TransportError as exc:
-            return {"error": "no_answer", "detail": f"{type(exc).__name__}: {exc or 'connection failed'}"}
+            status, content_type, data = await self._http.request(method, base, path, body, timeout)
+        except LocalCallFailed as failed:
+            return {"error": "no_answer" if failed.unreachable else "bad_answer", "detail": str(failed)}
         try:
-            text = b"".join(chunks).decode("utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
             return {"error": "bad_answer", "detail": "an answer that is not UTF-8 text"}
-        return {"status": response.status_code, "content_type": response.headers.get("content-type", ""), "body": text}
+        return {"status": status, "content_type": content_type, "body": text}
 
     async def _open_session(self, call: dict[str, Any]) -> dict[str, Any]:
         from websockets.asyncio.client import connect
