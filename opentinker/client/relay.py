@@ -117,20 +117,30 @@ def _routes(specs: Sequence[InteractionSpec]) -> dict[str, _Route]:
 
 def local_problems(specs: Sequence[InteractionSpec], timeout_s: float = 3.0) -> list[str]:
     """What is wrong with the relayed envs of ``specs``, checked from this machine (where the relay
-    will call them): each endpoint's ``GET /health`` must answer 2xx."""
+    will call them): each endpoint's ``GET /health`` must answer 2xx, and an OpenEnv server's
+    ``/schema`` must fit the interaction's ``action_field`` (as the server checks a direct one)."""
+    from opentinker.environments.openenv_schema import action_field_for
+
     problems = []
+    by_name = {spec.name: spec for spec in specs}
     with httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout_s) as http:
         for name, route in _routes(specs).items():
             for base in route.shards:
-                label = f"interaction {name!r} (relay: client): {base}/health"
+                label = f"interaction {name!r} (relay: client): {base}"
                 try:
                     status = http.get(f"{base}/health").status_code
+                    if not 200 <= status < 300:
+                        problems.append(f"{label}/health answered HTTP {status}")
+                        continue
+                    if route.protocol == _OPENENV:
+                        config = by_name[name].config
+                        action_field_for(http.get(f"{base}/schema").json(), config.get("action_field"),
+                                         config.get("action_extra"))
                 except httpx.HTTPError as exc:
                     problems.append(f"{label} does not answer on this machine ({type(exc).__name__}); is the "
                                     "environment server running?")
-                    continue
-                if not 200 <= status < 300:
-                    problems.append(f"{label} answered HTTP {status}")
+                except ValueError as exc:  # the schema does not fit, or is not JSON
+                    problems.append(f"{label}/schema: {exc}")
     return problems
 
 

@@ -48,8 +48,10 @@ async def forget(session: aiohttp.ClientSession) -> None:
 async def request(session: aiohttp.ClientSession, method: str, url: str, timeout_s: float,
                   body: Any = None) -> Answer:
     """``method url`` with ``body`` as JSON (when given); see the module docstring for what it raises."""
+    # This call's own timeout (each phase, as the session's), whatever the session was made with.
+    timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
     try:
-        async with session.request(method, url, json=body, allow_redirects=False) as response:
+        async with session.request(method, url, json=body, allow_redirects=False, timeout=timeout) as response:
             chunks, size = [], 0
             async for chunk in response.content.iter_any():
                 size += len(chunk)
@@ -116,30 +118,35 @@ class DirectTransport:
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # WebSocket sessions hold their connection for a whole episode: a pool of their own, so that
+        # they never leave the HTTP calls (a /health probe) waiting; the interaction bounds how many.
+        self._sockets: aiohttp.ClientSession | None = None
 
     def describe(self, base: str) -> str:
         return base
 
-    async def _current(self) -> aiohttp.ClientSession:
+    async def _current(self, sockets: bool = False) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            if self._session is not None and not self._session.closed:
-                await forget(self._session)
+            for old in (self._session, self._sockets):
+                if old is not None and not old.closed:
+                    await forget(old)
             self._session = new_session(self.timeout_s, self.max_connections)
+            self._sockets = new_session(self.timeout_s, 0)  # 0: no limit of aiohttp's own
             self._loop = loop
-        return self._session
+        return self._sockets if sockets else self._session
 
     async def request(self, method: str, base: str, path: str, timeout_s: float, body: Any = None) -> Answer:
         return await request(await self._current(), method, _join(base, path), timeout_s, body)
 
     async def open_session(self, base: str, path: str, timeout_s: float) -> _DirectSession:
         url = "ws" + _join(base, path)[len("http"):]  # http -> ws, https -> wss
-        session = await self._current()
+        session = await self._current(sockets=True)
         try:
-            socket = await session.ws_connect(
+            socket = await asyncio.wait_for(session.ws_connect(
                 url, max_msg_size=MAX_ANSWER_BYTES, autoping=True, heartbeat=None,
                 timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
-            )
+            ), timeout_s)
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status in (502, 503, 504):
                 raise NoAnswer(f"WebSocket handshake answered HTTP {exc.status}") from exc
@@ -153,9 +160,11 @@ class DirectTransport:
         return _DirectSession(socket)
 
     async def aclose(self) -> None:
-        session, loop, self._session, self._loop = self._session, self._loop, None, None
-        if session is not None and not session.closed:
-            if loop is asyncio.get_running_loop():
-                await session.close()
-            else:
-                await forget(session)
+        sessions, loop = (self._session, self._sockets), self._loop
+        self._session = self._sockets = self._loop = None
+        for session in sessions:
+            if session is not None and not session.closed:
+                if loop is asyncio.get_running_loop():
+                    await session.close()
+                else:
+                    await forget(session)

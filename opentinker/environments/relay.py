@@ -32,6 +32,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any
 
@@ -209,7 +210,6 @@ class RelayTransport:
         self.hub = hub
         self.interaction = interaction
         self.shards = list(shards)
-        self._sessions = itertools.count(1)
 
     def describe(self, base: str) -> str:
         return f"client:{base}"
@@ -233,7 +233,7 @@ class RelayTransport:
         return Answer(status, str(answer.get("content_type") or ""), data)
 
     async def open_session(self, base: str, path: str, timeout_s: float) -> _RelaySession:
-        session_id = f"{self.interaction}/{next(self._sessions)}"
+        session_id = uuid.uuid4().hex  # unique on the client's side, whichever transport opened it
         answer = await self.hub.call({"op": "ws_open", "interaction": self.interaction, "shard": self._shard(base),
                                       "path": path, "session": session_id}, timeout_s)
         _raise_for(answer)
