@@ -19,6 +19,13 @@ one job: a real ``opentinker-server`` app (uvicorn on loopback, Ray) runs a job 
 straight to the env server and once through its RelayHub -> the server's relay route -> the
 WebSocket -> this process's :class:`~opentinker.client.relay.EnvRelay` -> the env server.
 Printed: the median wall seconds per round of each and their ratio.
+
+    python benchmarks/env_calls.py --openenv [--env-python .venv-openenv/bin/python]
+
+The same rounds against an OpenEnv server (``examples/openenv_env.py --serve``, openenv's own
+app, 128 sessions allowed) through :class:`~opentinker.environments.openenv_interaction.OpenEnvInteraction`
+(one WebSocket session per episode: open + reset, step, close) and against the gym server
+through the gym interaction, in turns. Printed: wall and client CPU per round, and the ratios.
 """
 
 from __future__ import annotations
@@ -201,6 +208,42 @@ def relay_compare(url: str, episodes: int, rounds: int) -> dict[str, float]:
             ray.shutdown()
 
 
+def start_openenv_server(python: str) -> tuple[subprocess.Popen, str]:
+    """``examples/openenv_env.py --serve`` on a free port, in the python that has openenv."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "openenv_env.py"
+    with bind_listening_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([python, str(example), "--serve", str(port), "--max-sessions", "128"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    server.kill()
+    raise RuntimeError(f"the OpenEnv server did not start (is openenv installed in {python}? make install-openenv)")
+
+
+async def openenv_compare(gym_url: str, openenv_url: str, episodes: int, rounds: int) -> dict[str, tuple[float, float]]:
+    from opentinker.environments.openenv_interaction import OpenEnvInteraction
+
+    gym = GymEnvironmentInteraction({"env_endpoint": gym_url, "name": "gym"})
+    openenv = OpenEnvInteraction({"env_endpoint": openenv_url, "name": "openenv"})
+    samples: dict[str, list[tuple[float, float]]] = {"gym (HTTP)": [], "OpenEnv (WebSocket)": []}
+    async with gym:
+        for index in range(rounds + 1):  # the first round of each warms up (and reads /schema)
+            for name, interaction in (("gym (HTTP)", gym), ("OpenEnv (WebSocket)", openenv)):
+                wall, cpu = time.perf_counter(), time.process_time()
+                await through_the_interaction(interaction, episodes, f"{name[:3]}-{index}")
+                samples[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+        await openenv.aclose()
+    return {name: (statistics.median(w for w, _ in s[1:]), statistics.median(c for _, c in s[1:]))
+            for name, s in samples.items()}
+
+
 def carry(job_id: str, server_url: str, env_url: str) -> None:
     """The client side of ``--relay``: carry the job's env calls until the server ends the relay."""
     from opentinker import OpenTinkerClient
@@ -222,8 +265,29 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=128, help="episodes per round (a step's trajectories)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--relay", action="store_true", help="direct vs through a job's client relay")
+    parser.add_argument("--openenv", action="store_true", help="OpenEnv over WebSocket sessions vs the gym HTTP path")
+    parser.add_argument("--env-python", default=str(Path(__file__).resolve().parents[1] / ".venv-openenv/bin/python"),
+                        help="with --openenv: a python with openenv==0.10.0 (make install-openenv)")
     args = parser.parse_args()
     server, url = start_env_server()
+    if args.openenv:
+        try:
+            openenv_server, openenv_url = start_openenv_server(args.env_python)
+            try:
+                results = asyncio.run(openenv_compare(url, openenv_url, args.episodes, args.rounds))
+            finally:
+                openenv_server.kill()
+                openenv_server.wait()
+        finally:
+            server.kill()
+            server.wait()
+        print(f"{args.episodes} episodes at once (each: start, one step, finalize), median of {args.rounds} rounds "
+              f"after a first one:")
+        for name, (wall, cpu) in results.items():
+            print(f"  {name:22} wall {wall:6.3f} s   client CPU {cpu:6.3f} s")
+        (gym_wall, gym_cpu), (env_wall, env_cpu) = results.values()
+        print(f"  OpenEnv / gym: wall x{env_wall / gym_wall:.2f}, client CPU x{env_cpu / gym_cpu:.2f}")
+        return
     if args.relay:
         try:
             walls = relay_compare(url, args.episodes, args.rounds)

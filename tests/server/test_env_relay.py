@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from opentinker import GenericEnvironment, OpenTinkerClient
+from opentinker.client.cli import format_job
+from opentinker.protocol import JobInfo
 from opentinker.environments.registry import InteractionSpec
 
 from ..engine.test_trainer_env_outage import free_port, kill, start_env_server
@@ -85,6 +87,8 @@ def test_an_env_the_server_may_not_reach_trains_through_the_client_relay(live, e
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys
     from opentinker import GenericEnvironment, OpenTinkerClient
+from opentinker.client.cli import format_job
+from opentinker.protocol import JobInfo
     from opentinker.environments.registry import InteractionSpec
 
     url, key, port, what = sys.argv[1:5]
@@ -132,7 +136,9 @@ def test_a_killed_client_is_waited_for_and_attach_carries_on_with_no_step_lost(l
                        for e in _events(raw, job_id))
 
         helpers.wait_for(waiting, timeout=120, what="the job to say it waits for its client")
-        assert raw.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
+        info = JobInfo.model_validate(raw.get(f"/v1/jobs/{job_id}").json())
+        assert info.status.value == "running"
+        assert "relay    not connected (its env calls wait" in format_job(info)  # `opentinker jobs show`
         second = _client_process(tmp_path, live.url, live.keys["carol"], str(env_server), job_id)
         helpers.wait_for(lambda: raw.get(f"/v1/jobs/{job_id}").json()["relay"]["connected"], timeout=60,
                          what="the relay to reconnect")
