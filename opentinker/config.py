@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -226,7 +227,18 @@ DEFAULTS: dict[str, Any] = {
 
 
 class ConfigError(ValueError):
-    """A config key or value is invalid; the message names the key."""
+    """A config key or value is invalid; the message names the key, and ``key`` is it (the dotted
+    key; None when no single key is at fault)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        if key is None:  # the per-key checks say "config key '<key>'"
+            named = re.search(r"config key '([A-Za-z0-9_.]+)'", message)
+            key = named.group(1) if named else None
+        self.key = key
+
+    def __reduce__(self):  # the key survives pickling (a runner's error crossing to the server)
+        return (type(self), (str(self), self.key))
 
 
 def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -611,7 +623,7 @@ def make_config(
 
 def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None:
     """Types, choices and ranges of every key, then the cross-field rules a run would
-    otherwise trip over late."""
+    otherwise trip over late (``recipe.cross_field_problem``)."""
     limits = dict(limits or {})
     # resolve=False: never evaluate an interpolation, even one that slipped past the checks.
     flat = _flat_keys(OmegaConf.to_container(cfg, resolve=False))
@@ -622,39 +634,10 @@ def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None
         _check_choice(key, value)
         _check_range(key, value, limits)
 
-    estimator = cfg.algorithm.adv_estimator
-    n = cfg.actor_rollout_ref.rollout.n
-    if estimator in ADV_ESTIMATORS_NEEDING_GROUPS and n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={estimator} compares the samples of one prompt, so it needs "
-            f"actor_rollout_ref.rollout.n >= 2 (got {n}); raise rollout.n or use "
-            "algorithm.adv_estimator=reinforce_plus_plus"
-        )
-    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-    if cfg.data.train_batch_size % mini:
-        raise ConfigError(
-            f"data.train_batch_size ({cfg.data.train_batch_size}) must be a multiple of "
-            f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini})"
-        )
-    if cfg.actor_rollout_ref.rollout.val_n > 1 and cfg.actor_rollout_ref.rollout.val_temperature == 0:
-        raise ConfigError(
-            "actor_rollout_ref.rollout.val_n > 1 needs actor_rollout_ref.rollout.val_temperature > 0 "
-            "(greedy samples would all be the same)"
-        )
-    if cfg.actor_rollout_ref.actor.strategy == "fsdp" and cfg.trainer.n_gpus_per_node < 1:
-        raise ConfigError(
-            "actor_rollout_ref.actor.strategy=fsdp needs trainer.n_gpus_per_node >= 1 (ranks per node; with "
-            "trainer.device=cpu, CPU processes)"
-        )
-    correction = cfg.algorithm.rollout_correction
-    if correction.rollout_rs is not None and correction.rollout_rs_threshold is None:
-        raise ConfigError(
-            f"algorithm.rollout_correction.rollout_rs={correction.rollout_rs} needs "
-            "algorithm.rollout_correction.rollout_rs_threshold (the largest ratio kept, e.g. 2.0)"
-        )
-    betas = list(cfg.actor_rollout_ref.actor.optim.betas)
-    if len(betas) != 2 or not all(_type_ok(float, b) and 0 <= b < 1 for b in betas):
-        raise ConfigError(f"config key 'actor_rollout_ref.actor.optim.betas' must be two numbers in [0, 1), got {betas}")
+    # The rules that span keys are the typed recipe's (one place for them; it imports this module).
+    from opentinker.recipe import RecipeSpec
+
+    RecipeSpec.from_config(cfg)
 
 
 def to_dotted(cfg: DictConfig) -> dict[str, Any]:

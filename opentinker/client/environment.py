@@ -35,6 +35,7 @@ from opentinker.config import expand_dotted, make_config, parse_overrides
 from opentinker.environments.gym_interaction import shard_urls
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import EnvCheckResult, JobCreate, JobMode
+from opentinker.recipe import RecipeSpec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -519,7 +520,7 @@ class GenericEnvironment:
             if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
                 raise ValueError(f"steps must be a positive int, got {steps!r}")
             config.setdefault("trainer", {})["total_training_steps"] = steps
-            make_config(config)
+        RecipeSpec.build(config, mode=mode)  # the rules the job's mode adds, before anything is sent
         if mode == "server":
             dataset = self.train_rows(steps)
         else:

@@ -348,6 +348,10 @@ class JobManager:
                         f"cluster; it has {fit}")
         return None
 
+    def has_gpus(self) -> bool:
+        """Whether this server's Ray cluster has GPUs (what ``trainer.device=auto`` picks)."""
+        return ray.cluster_resources().get("GPU", 0) > 0
+
     def running_count(self, user_id: int) -> int:
         return sum(1 for job in self._active.values() if job.user_id == user_id)
 

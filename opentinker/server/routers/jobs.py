@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from opentinker.config import ConfigError, to_dotted
 from opentinker.environments.registry import InteractionRegistry, UnknownInteractionError
 from opentinker.protocol import JobCreate, JobCreated, JobInfo, JobList, JobStatus
+from opentinker.recipe import RecipeSpec
 from opentinker.server.auth import current_user
 from opentinker.server.deps import get_manager, get_registry, get_settings, get_store, owned_job
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses
@@ -123,14 +124,12 @@ async def create_job(
     policy = settings.job_policy
     try:
         cfg = policy.client_config(body.config)
+        # The typed recipe's rules that depend on the job (its mode) and on this server (its GPUs).
+        RecipeSpec.from_config(cfg, mode=body.mode, gpus=manager.has_gpus())
     except PolicyError as exc:
         raise ApiError(400, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
-        raise ApiError(400, str(exc), {"field": "config"}) from exc
-    if body.mode == "client" and cfg.async_training.max_staleness:
-        raise ApiError(400, "async_training.max_staleness > 0 draws each step's prompts ahead of the step, which "
-                       "a client-mode job cannot (its batches come one at a time): use mode='server' (the dataset "
-                       "uploaded with the job) or max_staleness=0", {"field": "config.async_training.max_staleness"})
+        raise ApiError(400, str(exc), {"field": f"config.{exc.key}" if exc.key else "config"}) from exc
     placement = manager.placement_problem(cfg)
     if placement:
         raise ApiError(400, placement, {"field": "config.trainer.n_gpus_per_node"})
