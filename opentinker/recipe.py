@@ -254,6 +254,25 @@ class RecipeSpec:
             raise ConfigError(message, key=key)
         return spec
 
+    def to_tree(self) -> dict[str, Any]:
+        """The spec as the config's nested dict (lists where the config has them)."""
+        tree: dict[str, Any] = {}
+        for key, value in self.to_dotted().items():
+            node = tree
+            *sections, leaf = key.split(".")
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = value
+        return tree
+
+    def replaced(self, key: str, value: Any) -> RecipeSpec:
+        """A copy with the dotted ``key`` set to ``value`` (not checked again: for values the
+        server sets itself, e.g. where a job resumes from)."""
+        section, _, rest = key.partition(".")
+        if not rest:
+            return dataclasses.replace(self, **{section: value})
+        return dataclasses.replace(self, **{section: _replaced(getattr(self, section), rest, value)})
+
     def to_dotted(self) -> dict[str, Any]:
         """The spec as the wire's flat ``{dotted.key: value}`` (lists where the config has them)."""
         flat: dict[str, Any] = {}
@@ -270,6 +289,13 @@ class RecipeSpec:
 
         walk(self, "")
         return flat
+
+
+def _replaced(node: Any, key: str, value: Any) -> Any:
+    name, _, rest = key.partition(".")
+    if not hasattr(node, name):
+        raise KeyError(f"no config key {key!r} here")
+    return dataclasses.replace(node, **{name: _replaced(getattr(node, name), rest, value) if rest else value})
 
 
 def _typed(cls: type, tree: Mapping[str, Any]) -> Any:

@@ -316,13 +316,14 @@ class EnvRelay:
                     await self._close_sessions()
                 failures += 1
                 delay = min(10.0, 0.25 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
-                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._stopped()), delay)
+                await self._pause(delay)
         finally:
             await self._http.aclose()
 
-    async def _stopped(self) -> None:
-        while not self._stopping.is_set():
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when :meth:`stop` is called meanwhile."""
+        end = asyncio.get_running_loop().time() + seconds
+        while not self._stopping.is_set() and asyncio.get_running_loop().time() < end:
             await asyncio.sleep(0.1)
 
     async def _serve(self, socket: Any) -> None:

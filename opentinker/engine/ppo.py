@@ -16,12 +16,12 @@ import math
 from collections import defaultdict
 
 import torch
-from omegaconf import DictConfig
 
 from opentinker.engine.algorithms.policy_losses import SEQUENCE_AGGREGATED_LOSSES
 from opentinker.engine.backend import AdamParams, TrainingBackend
 from opentinker.engine.backend.forward import pad_to
 from opentinker.engine.batch import TokenBatch
+from opentinker.recipe import RecipeSpec
 
 LOSS = "rl_policy"
 VALUE_LOSS = "value"
@@ -104,7 +104,7 @@ def run_epochs(backend: TrainingBackend, batch: TokenBatch, *, epochs: int, mini
 class PPOUpdate:
     """Epochs x mini-batches x micro-batches of the ``rl_policy`` loss on a backend."""
 
-    def __init__(self, backend: TrainingBackend, cfg: DictConfig, *, seed: int = 0):
+    def __init__(self, backend: TrainingBackend, cfg: RecipeSpec, *, seed: int = 0):
         self.backend = backend
         ar = cfg.actor_rollout_ref
         self.actor = actor = ar.actor
@@ -185,7 +185,7 @@ class CriticUpdate:
     mini-batches x micro-batches of the clipped ``value`` loss against the returns, on a
     backend of its own (a value head: ``BackendSpec.value_head``)."""
 
-    def __init__(self, backend: TrainingBackend, cfg: DictConfig, *, seed: int = 0):
+    def __init__(self, backend: TrainingBackend, cfg: RecipeSpec, *, seed: int = 0):
         self.backend = backend
         self.critic = critic = cfg.critic
         self.rollout_n = int(cfg.actor_rollout_ref.rollout.n)

@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from opentinker.config import ConfigError, make_config
+from opentinker.recipe import RecipeSpec
 from opentinker.engine.agent_loop import AgentLoopConfig, Trajectory
 from opentinker.engine.agent_runner import (
     AgentLoopRunner,
@@ -107,7 +108,7 @@ class RLTrainer:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: RecipeSpec | DictConfig,
         *,
         train_rows: Sequence[dict] | None = None,
         val_rows: Sequence[dict] | None = None,
@@ -115,6 +116,8 @@ class RLTrainer:
         strategy_judge: "StrategyJudge | None" = None,
         interactions: Mapping[str, Interaction] | None = None,
     ):
+        # The typed recipe (a checked config is typed here; its attributes are the dotted keys).
+        cfg = cfg if isinstance(cfg, RecipeSpec) else RecipeSpec.from_config(cfg)
         self.cfg = cfg
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.strategy_judge = strategy_judge
@@ -818,7 +821,7 @@ def question_of(rollout: Rollout, index: int) -> str:
     return ""
 
 
-def judge_from_config(cfg: DictConfig, policy_model_path: str) -> "StrategyJudge":
+def judge_from_config(cfg: RecipeSpec, policy_model_path: str) -> "StrategyJudge":
     from opentinker.creativity import make_judge
 
     judge = cfg.algorithm.judge
@@ -833,7 +836,7 @@ def judge_from_config(cfg: DictConfig, policy_model_path: str) -> "StrategyJudge
     return make_judge(judge.kind, **options)
 
 
-def start_wandb(cfg: DictConfig):
+def start_wandb(cfg: RecipeSpec):
     """A wandb run named by trainer.project_name / experiment_name (``trainer.logger`` has wandb)."""
     try:
         import wandb
@@ -842,7 +845,7 @@ def start_wandb(cfg: DictConfig):
             "trainer.logger includes 'wandb' but wandb is not installed: pip install 'opentinker[wandb]'"
         ) from error
     return wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
-                      config=OmegaConf.to_container(cfg, resolve=True))
+                      config=cfg.to_tree())
 
 
 def shared_gpu_warning(device_type: str) -> str | None:
@@ -878,5 +881,5 @@ def train(overrides: Sequence[str] | dict | None = None, **trainer_kwargs) -> li
     return RLTrainer(cfg, **trainer_kwargs).fit()
 
 
-def config_summary(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)
+def config_summary(cfg: RecipeSpec) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(cfg.to_tree()))

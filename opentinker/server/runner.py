@@ -176,17 +176,19 @@ class JobRunner:
     def _build_trainer(self):
         from opentinker.engine.trainer import RLTrainer
         from opentinker.environments.registry import default_registry
+        from opentinker.recipe import RecipeSpec
 
         # The policy again, here where it counts: the client's config plus the operator's
         # model path, judge endpoint and job folder; env endpoints checked as they are built.
-        cfg = self.policy.runner_config(self.spec.config, str(self.job_dir))
+        spec = RecipeSpec.from_config(self.policy.runner_config(self.spec.config, str(self.job_dir)),
+                                      mode=self.spec.mode)
         # A new job starts fresh; a resumed one from the checkpoint the server chose (whose
         # step's events were published), never from a client-named path.
-        cfg.trainer.resume_mode = "disable" if self.resume_from_step is None else str(
-            Path(cfg.trainer.default_local_dir) / f"global_step_{self.resume_from_step}")
+        spec = spec.replaced("trainer.resume_mode", "disable" if self.resume_from_step is None else str(
+            Path(spec.trainer.default_local_dir) / f"global_step_{self.resume_from_step}"))
         registry = default_registry(allowed=self.policy.allowed_interactions)
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id, self.relay))
-        return RLTrainer(cfg, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
+        return RLTrainer(spec, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
                          interactions=interactions or None)
 
     def _raise_if_cancelled(self) -> None:

@@ -87,8 +87,6 @@ def test_an_env_the_server_may_not_reach_trains_through_the_client_relay(live, e
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys
     from opentinker import GenericEnvironment, OpenTinkerClient
-from opentinker.client.cli import format_job
-from opentinker.protocol import JobInfo
     from opentinker.environments.registry import InteractionSpec
 
     url, key, port, what = sys.argv[1:5]
@@ -147,6 +145,8 @@ def test_a_killed_client_is_waited_for_and_attach_carries_on_with_no_step_lost(l
         events = _events(raw, job_id)
     assert [e["data"]["step"] for e in events if e["type"] == "progress"] == list(range(1, steps + 1))
     logs = [e["data"]["message"] for e in events if e["type"] == "log"]
+    assert sum(message.startswith("client relay connected") for message in logs) == 2
+    assert sum(message.startswith("client relay disconnected") for message in logs) == 1
     assert not any(" skipped: " in message for message in logs)
     assert any("answered again" in message and "nothing was skipped" in message for message in logs)
     # The first process kept the specs under its state folder; the job's end let the second forget them.
@@ -320,3 +320,59 @@ def test_a_compromised_server_cannot_use_the_relay_as_a_proxy(tmp_path, monkeypa
     assert relay.refused == len(hostile)
     assert env.seen == [("/reset", "J")]
     assert canary_seen == []
+
+
+def test_an_openenv_server_on_the_users_machine_trains_through_the_relay(live, monkeypatch, tmp_path):
+    """OpenEnv's WebSocket sessions multiplexed over the relay: every episode one session, the
+    env's reward comes back, none fails; env.setup reads the env's /schema from this machine."""
+    from opentinker.client.errors import EnvironmentSetupError
+
+    from ..environments.openenv_server import running_openenv_server
+
+    monkeypatch.setenv("OPENTINKER_STATE_DIR", str(tmp_path))
+    with running_openenv_server(tmp_path) as env_server:
+        def env(**config) -> GenericEnvironment:
+            spec = InteractionSpec(name="arith", class_path="openenv",
+                                   config={"env_endpoint": env_server.url, "relay": "client", **config})
+            return GenericEnvironment(SMALL, [spec], dataset=data_free_rows(16))
+
+        with OpenTinkerClient(live.url, live.keys["dave"]) as client:
+            with pytest.raises(EnvironmentSetupError, match="action_field 'reply' is not a field of the env's action"):
+                env(action_field="reply").setup(client)
+            handle = client.submit(env(), steps=2)
+            info = handle.wait(progress=False)
+            events = handle.events()
+        stats = env_server.wait_idle()
+    assert info.status.value == "completed" and info.step == 2
+    metrics = [e.data["metrics"] for e in events if e.type == "metrics"]
+    assert all(m["env/arith/env_errors"] == 0 and m["env/arith/samples"] == 4 for m in metrics)
+    assert stats["live"] == 0 and len(stats["resets"]) >= 2 * 4  # one session (episode) per sample
+
+
+def test_a_revoked_key_ends_the_relay(start_server, tmp_path, helpers, monkeypatch):
+    """The relay is held open under its key: revoking the key ends it within the credential
+    watch's interval, and the client stops for good (4401) instead of reconnecting."""
+    from opentinker.client.relay import EnvRelay
+    from opentinker.server import auth
+    from opentinker.server.store import Store
+
+    monkeypatch.setenv("OPENTINKER_STATE_DIR", str(tmp_path))
+    live = start_server(tmp_path / "server")
+    key = helpers.make_user(live.settings.data_dir, "frank")
+    spec = InteractionSpec(name="arith", class_path="gym", config={"env_endpoint": "http://127.0.0.1:9", "relay": "client"})
+    with live.client(key) as raw:
+        job_id = helpers.create_job(raw, "hold-revoked", mode="client", interactions=[spec.model_dump()])
+    with OpenTinkerClient(live.url, key) as client:
+        relay = EnvRelay(client, job_id, [spec]).start()
+        try:
+            assert relay.wait_connected(30)
+            store = Store(live.settings.data_dir / "opentinker.db")
+            try:
+                assert auth.revoke_api_key(store, key)
+            finally:
+                store.close()
+            helpers.wait_for(lambda: not relay.running, timeout=20, what="the relay to end")
+        finally:
+            relay.stop()
+    assert relay.error is not None and relay.error.startswith("the API key was refused")
+    assert relay.connections == 1
