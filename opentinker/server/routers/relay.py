@@ -201,6 +201,10 @@ async def _carry(websocket: WebSocket, job_id: str, connection: _Connection, rev
             return
         handle = await _ray(actor.relay_attach.remote())
         log.info("job %s: client relay connected", job_id)
+        store = websocket.app.state.store
+        names = ", ".join(relayed_interactions(store.get_job(job_id).spec))
+        store.append_event(job_id, "log", {"message": f"client relay connected: the env calls of {names} go to "
+                                                      "the job's client"})
         tasks = [asyncio.ensure_future(_send_calls(websocket, actor, handle, ended)),
                  asyncio.ensure_future(_forward_answers(actor, handle, answers, ended))]
         await ended.wait()
@@ -213,6 +217,10 @@ async def _carry(websocket: WebSocket, job_id: str, connection: _Connection, rev
             with contextlib.suppress(Exception):  # a runner that is gone has no calls left to fail
                 await _ray(actor.relay_detach.remote(handle))
             log.info("job %s: client relay disconnected", job_id)
+            if not connection.replaced.is_set():  # (a replacing connection says it connected)
+                websocket.app.state.store.append_event(job_id, "log", {  # nothing once the job has ended
+                    "level": "warning", "message": "client relay disconnected: the job's env calls wait for its "
+                    "client (job.attach() or `opentinker jobs logs -f JOB_ID` on the machine with the env)"})
         if revoked.is_set():
             await _close(websocket, 401, "the API key was revoked")
         elif connection.replaced.is_set():
