@@ -47,22 +47,12 @@ from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighte
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
-from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
+from opentinker.engine.tinker.calls import ForwardBackwardCall
+from opentinker.engine.tinker.datums import datum_limits, per_datum, token_batch
 from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
 from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger("opentinker.engine.tinker")
-
-
-@dataclass
-class ForwardBackwardCall:
-    """One ``forward_backward`` (or ``forward``: ``forward_only``) request of one model."""
-
-    model_id: str
-    data: Sequence[Datum]
-    loss_fn: str
-    loss_config: Mapping[str, float] = field(default_factory=dict)
-    forward_only: bool = False
 
 
 @dataclass

@@ -10,59 +10,18 @@ gradients that accumulate until ``optim_step``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opentinker.engine.backend import BackendSpec, make_backend
-from opentinker.engine.backend.lora import LoraSettings
+from opentinker.engine.backend import make_backend
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
+from opentinker.engine.tinker.calls import ModelSpec
 from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
 
 SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
-#: LoRA targets per Tinker's ``train_attn`` / ``train_mlp`` switches (Llama/Qwen module names).
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a Tinker model is made of: a served model's folder, LoRA (rank > 0) or full
-    fine-tuning, and how the operator runs it (``strategy`` local | fsdp, ``device``, ranks)."""
-
-    model_path: str | None  # None: the embedded tiny model
-    lora_rank: int = 0
-    lora_alpha: int = 32
-    train_attn: bool = True
-    train_mlp: bool = True
-    seed: int = 0
-    trust_remote_code: bool = False
-    strategy: str = "local"
-    device: str = "auto"
-    ranks: int = 1
-
-    def target_modules(self) -> str:
-        modules = (ATTENTION_MODULES if self.train_attn else ()) + (MLP_MODULES if self.train_mlp else ())
-        if not modules:
-            raise ValueError("lora_config: train_attn and train_mlp are both false, so there is nothing to train")
-        return ",".join(modules)
-
-    def lora_settings(self) -> LoraSettings | None:
-        if not self.lora_rank:
-            return None
-        return LoraSettings(self.lora_rank, float(self.lora_alpha), self.target_modules(), seed=self.seed)
-
-    def backend_spec(self, model_folder: str, pad_token_id: int) -> BackendSpec:
-        """The training backend this model needs (Tinker's losses have no reference term)."""
-        lora = self.lora_settings()
-        return BackendSpec(model_path=model_folder, pad_token_id=pad_token_id, lora=lora, strategy=self.strategy,
-                           ranks=self.ranks if self.strategy == "fsdp" else 1, device=self.device,
-                           trust_remote_code=self.trust_remote_code)
-
-
 class TinkerModelWorker:
     def __init__(self, spec: ModelSpec):
         from opentinker.engine.model_loading import load_tokenizer, resolve_model_path

@@ -132,7 +132,7 @@ class SharedAdapter:
         return self.base.op(method, self.model_id, *args, user_id=self.user_id)
 
     async def forward_backward(self, data, loss_fn: str, loss_config, forward_only: bool) -> dict[str, Any]:
-        from opentinker.engine.tinker.adapter_worker import ForwardBackwardCall
+        from opentinker.engine.tinker.calls import ForwardBackwardCall
 
         self.calls_sent += 1
         return await self.base.forward_backward(

@@ -36,7 +36,7 @@ router = tinker_router()
 
 
 def _worker_spec(svc: TinkerService, model: Any, lora: dict[str, Any]):
-    from opentinker.engine.tinker.model_worker import ModelSpec
+    from opentinker.engine.tinker.calls import ModelSpec
 
     host = svc.settings.host
     return ModelSpec(model_path=model.path, lora_rank=int(lora.get("lora_rank", 0)), seed=int(lora.get("seed", 0)),
