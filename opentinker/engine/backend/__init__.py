@@ -11,11 +11,11 @@ from opentinker.engine.backend.base import (
     ForwardOutput,
     TrainingBackend,
     WeightBucket,
-    bucketed,
 )
 from opentinker.engine.backend.local import LocalBackend
 from opentinker.engine.backend.losses import loss_names, register_loss, resolve_loss
 from opentinker.engine.backend.spec import BackendSpec
+from opentinker.engine.weight_buckets import bucketed
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

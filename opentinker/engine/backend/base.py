@@ -23,7 +23,7 @@ All per-token tensors are ``[B, R]``, aligned with ``TokenBatch.response_mask``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,8 +32,7 @@ import torch
 
 from opentinker.engine.batch import TokenBatch
 
-DEFAULT_BUCKET_BYTES = 256 * 2**20
-WeightBucket = list[tuple[str, torch.Tensor]]
+from opentinker.engine.weight_buckets import DEFAULT_BUCKET_BYTES, WeightBucket
 
 
 @dataclass(frozen=True)
@@ -130,22 +129,6 @@ class TrainingBackend(Protocol):
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path: ...
 
     def close(self) -> None: ...
-
-
-def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
-    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a tensor larger
-    than that is a bucket of its own)."""
-    bucket: WeightBucket = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def loss_without_gradients(backend: TrainingBackend, batch: TokenBatch, loss_fn: str,

@@ -19,13 +19,13 @@ from opentinker.engine.backend.base import (
     WeightBucket,
     clipped_adamw_step,
     loss_without_gradients,
-    bucketed,
 )
 from opentinker.engine.backend.forward import scorer_for
 from opentinker.engine.backend.lora import LoraSettings, add_adapters, merge_plan, merged_state_dict, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing
+from opentinker.engine.weight_buckets import bucketed
 
 STATE_FILE = "backend_state.pt"
 

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from opentinker.engine.backend.base import bucketed
+from opentinker.engine.weight_buckets import bucketed
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 
 #: Weight-sync buckets are regrouped to at most this many bytes per RPC.
