@@ -36,6 +36,7 @@ from opentinker.environments.gym_interaction import shard_urls
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import EnvCheckResult, JobCreate, JobMode
 from opentinker.recipe import RecipeSpec
+from opentinker.rows import row_shape_problem
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -79,62 +80,13 @@ class DataGenerator:
 # ---------------------------------------------------------------------- row checks
 
 
-def _preview(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def validate_row(row: Any, where: str, interaction_names: Iterable[str] = ()) -> Row:
-    """Check one dataset row; ``where`` (e.g. ``"train.jsonl line 3"``) starts every error.
-
-    With ``interaction_names`` (the environment's specs), a row naming another interaction
-    is an error, and a data-free row needs at least one interaction.
-    """
-    names = set(interaction_names)
-    if not isinstance(row, Mapping):
-        raise DatasetError(f"{where}: a row must be a JSON object (a dict), got {type(row).__name__}: {_preview(row)}")
-    prompt = row.get("prompt")
-    extra_info = row.get("extra_info")
-    if extra_info is not None and not isinstance(extra_info, Mapping):
-        raise DatasetError(f"{where}: 'extra_info' must be an object, got {type(extra_info).__name__}")
-    kwargs = (extra_info or {}).get("interaction_kwargs")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise DatasetError(
-            f"{where}: 'extra_info.interaction_kwargs' must be an object, got {type(kwargs).__name__}"
-        )
-    if prompt is None:
-        if kwargs is None:
-            keys = ", ".join(sorted(map(str, row))) or "none"
-            raise DatasetError(
-                f"{where}: missing 'prompt' (a list of chat messages) and 'extra_info.interaction_kwargs' "
-                f"(for a data-free row); a row needs one of them (its keys: {keys})"
-            )
-    else:
-        if not isinstance(prompt, list) or not prompt:
-            raise DatasetError(
-                f"{where}: 'prompt' must be a non-empty list of chat messages "
-                f"[{{'role': ..., 'content': ...}}], got {_preview(prompt)}"
-            )
-        for j, message in enumerate(prompt):
-            if not isinstance(message, Mapping):
-                raise DatasetError(f"{where}: prompt[{j}] must be a chat message object, got {_preview(message)}")
-            for field in ("role", "content"):
-                if not isinstance(message.get(field), str):
-                    raise DatasetError(
-                        f"{where}: prompt[{j}] is missing a string '{field}' (got {_preview(dict(message))})"
-                    )
-    if kwargs is not None and names:
-        name = kwargs.get("name")
-        if name is not None and name not in names:
-            raise DatasetError(
-                f"{where}: extra_info.interaction_kwargs.name is {name!r}, which is not one of the "
-                f"environment's interactions: {', '.join(sorted(names))}"
-            )
-    if prompt is None and not names:
-        raise DatasetError(
-            f"{where}: a data-free row (no 'prompt') needs an interaction to open the chat, "
-            "but the environment has no interaction_specs"
-        )
+    """Check one dataset row's shape (``opentinker/rows.py``, the server's rules too); ``where``
+    (e.g. ``"train.jsonl line 3"``) starts every error. ``interaction_names``: the environment's
+    interactions (a data-free row needs one; a row naming another is an error)."""
+    problem = row_shape_problem(row, list(interaction_names))
+    if problem is not None:
+        raise DatasetError(f"{where}: {problem}")
     return dict(row)
 
 

@@ -3,16 +3,12 @@
 A row the job could not train on is refused at the edge (422 naming ``field[i]``): once a
 batch is accepted (201 for a dataset, 202 for a pushed step) no row of it may fail the job.
 
-A row either carries its prompt (``prompt``: a non-empty list of ``{"role", "content"}``
-chat messages, verl's format) or, in a job with interactions, is data-free and names its
-environment through ``extra_info.interaction_kwargs`` (the environment supplies the first
-observation). Then:
+The shape of a row (its prompt, or a data-free row naming one of the job's interactions) is
+``opentinker/rows.py``'s, which the client applies too. Then:
 
 - without interactions the job's built-in task scores the row, so the task's own row check
   applies (arithmetic: ``reward_model.ground_truth`` is an integer);
-- with interactions the row must pick one of the job's interactions (by
-  ``extra_info.interaction_kwargs.name``, or implicitly when the job has exactly one) and
-  pass that interaction class's ``row_problem`` check, if it has one;
+- with interactions the picked interaction class's ``row_problem`` check applies, if it has one;
 - the prompt, rendered with the served model's chat template, must fit
   ``data.max_prompt_length`` tokens (checked with the model's tokenizer, off the event loop).
 """
@@ -25,9 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentinker.environments import arithmetic
+from opentinker.rows import interaction_kwargs, row_shape_problem
 from opentinker.server.policy import JobPolicy
-
-ROLES = ("system", "user", "assistant", "tool")
 
 #: Row checks of the built-in tasks (``data.task``), which score rows when a job has no interactions.
 TASK_ROW_CHECKS: dict[str, Callable[[dict], str | None]] = {"arithmetic": arithmetic.row_problem}
@@ -43,32 +38,12 @@ class RowRules:
     tokenizer: Any = None  # renders prompts to count their tokens; None: lengths not checked
 
 
-def _prompt_problem(prompt: Any) -> str | None:
-    if not isinstance(prompt, list) or not prompt:
-        return f"'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}"
-    for i, message in enumerate(prompt):
-        if not (isinstance(message, Mapping) and isinstance(message.get("content"), str)):
-            return f"'prompt[{i}]' must be a message object with string 'role' and 'content'"
-        if message.get("role") not in ROLES:
-            return f"'prompt[{i}].role' must be one of {', '.join(ROLES)}, got {message.get('role')!r}"
-    return None
-
-
 def _interaction_problem(row: Mapping[str, Any], rules: RowRules) -> str | None:
-    kwargs = row["extra_info"].get("interaction_kwargs") if isinstance(row.get("extra_info"), Mapping) else None
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, Mapping):
-        return f"'extra_info.interaction_kwargs' must be an object, got {type(kwargs).__name__}"
+    """The picked interaction class's own check of the row's kwargs (the shape is checked)."""
+    kwargs = interaction_kwargs(row) or {}
     name = kwargs.get("name")
     if name is None:
-        if len(rules.interactions) != 1:
-            return (f"names no interaction (extra_info.interaction_kwargs.name) and the job has "
-                    f"{len(rules.interactions)}: {', '.join(sorted(rules.interactions))}")
-        name = next(iter(rules.interactions))
-    elif name not in rules.interactions:
-        return f"'extra_info.interaction_kwargs.name' {name!r} is not one of the job's interactions: " \
-               f"{', '.join(sorted(rules.interactions))}"
+        name = next(iter(rules.interactions))  # the only one (row_shape_problem saw to it)
     check = getattr(rules.interactions[name], "row_problem", None)
     problem = check({k: v for k, v in kwargs.items() if k != "name"}) if callable(check) else None
     return f"interaction {name!r}: {problem}" if problem else None
@@ -76,21 +51,9 @@ def _interaction_problem(row: Mapping[str, Any], rules: RowRules) -> str | None:
 
 def row_problem(row: Any, rules: RowRules) -> str | None:
     """What is wrong with one row (without counting tokens), or None."""
-    if not isinstance(row, Mapping):
-        return f"must be an object, got {type(row).__name__}"
-    extra_info = row.get("extra_info")
-    if extra_info is not None and not isinstance(extra_info, Mapping):
-        return f"'extra_info' must be an object, got {type(extra_info).__name__}"
-    prompt = row.get("prompt")
-    if prompt is None:
-        has_kwargs = isinstance(extra_info, Mapping) and isinstance(extra_info.get("interaction_kwargs"), Mapping)
-        if not rules.interactions or not has_kwargs:
-            return ("needs a 'prompt' (a list of chat messages)" if not rules.interactions else
-                    "needs a 'prompt' (a list of chat messages) or 'extra_info.interaction_kwargs' (a data-free row)")
-    else:
-        problem = _prompt_problem(prompt)
-        if problem:
-            return problem
+    problem = row_shape_problem(row, rules.interactions)
+    if problem is not None:
+        return problem
     if rules.interactions:
         return _interaction_problem(row, rules)
     check = TASK_ROW_CHECKS.get(rules.task or "")

@@ -128,7 +128,7 @@ def test_row_errors_name_the_file_the_line_and_what_is_missing(tmp_path):
 
     listing = tmp_path / "bad.json"
     listing.write_text(json.dumps([rows(1)[0], {"prompt": [{"role": "user"}]}]))
-    with pytest.raises(DatasetError, match=r"bad.json index 1: prompt\[0\] is missing a string 'content'"):
+    with pytest.raises(DatasetError, match=r"bad.json index 1: 'prompt\[0\]' must be a message object with string 'role' and 'content'"):
         env.get_dataloader(listing)
     listing.write_text(json.dumps({"rows": []}))
     with pytest.raises(DatasetError, match="must be a JSON list of rows"):
@@ -146,7 +146,7 @@ def test_rows_must_name_known_interactions():
     env = GenericEnvironment({}, [GUESS])
     with pytest.raises(DatasetError, match=r"data_generator\(0\): .*'chess'.*guess"):
         env.get_dataloader(lambda i: {"extra_info": {"interaction_kwargs": {"name": "chess"}}}, length=3)
-    with pytest.raises(DatasetError, match="no interaction_specs"):
+    with pytest.raises(DatasetError, match="needs an interaction to open the chat, and there is none"):
         GenericEnvironment().get_dataloader([guess_row(0)])
 
 
