@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -101,7 +102,22 @@ def run_epochs(backend: TrainingBackend, batch: TokenBatch, *, epochs: int, mini
     return sums, mini_batches, steps, skipped
 
 
-class PPOUpdate:
+class _ScheduledUpdate:
+    """What an update owns across steps: how many it has made (its place in the learning-rate
+    schedule) and the generator that shuffles its mini-batches; saved in checkpoints."""
+
+    updates: int
+    _shuffle: torch.Generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates, "shuffle": self._shuffle.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = int(state["updates"])
+        self._shuffle.set_state(state["shuffle"])
+
+
+class PPOUpdate(_ScheduledUpdate):
     """Epochs x mini-batches x micro-batches of the ``rl_policy`` loss on a backend."""
 
     def __init__(self, backend: TrainingBackend, cfg: RecipeSpec, *, seed: int = 0):
@@ -180,7 +196,7 @@ class PPOUpdate:
         return result
 
 
-class CriticUpdate:
+class CriticUpdate(_ScheduledUpdate):
     """The value model's update (``critic.*``): its values before the update, then epochs x
     mini-batches x micro-batches of the clipped ``value`` loss against the returns, on a
     backend of its own (a value head: ``BackendSpec.value_head``)."""

@@ -454,8 +454,7 @@ class RLTrainer:
         without the outage. Checkpoints fall between steps, so none holds a half-waited step:
         a run resumed after an outage numbers and draws its steps as an unbroken one.
         """
-        get_rng, set_rng = getattr(self.rollout, "rng_state", None), getattr(self.rollout, "set_rng_state", None)
-        rng_at_start = get_rng() if callable(get_rng) and callable(set_rng) else None
+        rng_at_start = self.rollout.rng_state()
         outage: EnvOutage | None = None
         while True:
             with timer.phase("rollout"):
@@ -474,7 +473,7 @@ class RLTrainer:
             with timer.phase("env_outage_wait"):
                 outage.wait(down, last_error)
             if rng_at_start is not None:
-                set_rng(rng_at_start)
+                self.rollout.set_rng_state(rng_at_start)
         if outage is not None:
             outage.resumed()
         return full_rollout, outage
@@ -658,23 +657,25 @@ class RLTrainer:
 
     def trainer_state(self) -> dict[str, Any]:
         """What, besides the backend's state, a run needs to continue exactly as it would have."""
-        rollout_rng = getattr(self.rollout, "rng_state", None)
         loader = self.loader.state_dict()
+        rollout_rng = self.rollout.rng_state()
         if self.pipeline is not None:
             # Asynchronous: the prompts of rollouts in flight are drawn again after a resume, and
             # the sampler's state mid-flight is not saved (a resumed run samples differently).
             loader = self.pipeline.oldest_loader_state or loader
             rollout_rng = None
+        ppo = self.ppo.state_dict()
+        critic = self.critic.state_dict() if self.critic is not None else {"updates": None, "shuffle": None}
         return {
             "global_step": self.global_step,
-            "ppo_updates": self.ppo.updates,
-            "ppo_shuffle": self.ppo._shuffle.get_state(),
+            "ppo_updates": ppo["updates"],
+            "ppo_shuffle": ppo["shuffle"],
             "skipped_steps": self.skipped_steps,
             "consecutive_skipped_steps": self.consecutive_skipped_steps,
             "loader": loader,
-            "rollout_rng": rollout_rng() if callable(rollout_rng) else None,
-            "critic_updates": None if self.critic is None else self.critic.updates,
-            "critic_shuffle": None if self.critic is None else self.critic._shuffle.get_state(),
+            "rollout_rng": rollout_rng,
+            "critic_updates": critic["updates"],
+            "critic_shuffle": critic["shuffle"],
         }
 
     def resume(self, checkpoint: Path) -> None:
@@ -683,8 +684,7 @@ class RLTrainer:
         state = torch.load(checkpoint / TRAINER_STATE, weights_only=False)
         self.backend.load_state(checkpoint / "state")
         self.global_step = int(state["global_step"])
-        self.ppo.updates = int(state["ppo_updates"])
-        self.ppo._shuffle.set_state(state["ppo_shuffle"])
+        self.ppo.load_state_dict({"updates": state["ppo_updates"], "shuffle": state["ppo_shuffle"]})
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_skipped_steps = int(state["consecutive_skipped_steps"])
         self.loader.load_state_dict(state["loader"])
@@ -693,11 +693,9 @@ class RLTrainer:
                 raise ConfigError(f"trainer.resume_mode: {checkpoint} was saved without a critic "
                                   "(algorithm.adv_estimator was not gae)")
             self.critic.backend.load_state(checkpoint / CRITIC_STATE)
-            self.critic.updates = int(state["critic_updates"])
-            self.critic._shuffle.set_state(state["critic_shuffle"])
-        set_rng = getattr(self.rollout, "set_rng_state", None)
-        if state["rollout_rng"] is not None and callable(set_rng):
-            set_rng(state["rollout_rng"])
+            self.critic.load_state_dict({"updates": state["critic_updates"], "shuffle": state["critic_shuffle"]})
+        if state["rollout_rng"] is not None:
+            self.rollout.set_rng_state(state["rollout_rng"])
         self.sync_weights()
         self.resumed_from = checkpoint
 
@@ -773,9 +771,7 @@ class RLTrainer:
             self.pipeline.close()
         if self.agent_loops is not None:
             self.agent_loops.close()
-        close_rollout = getattr(self.rollout, "close", None)
-        if callable(close_rollout):
-            close_rollout()
+        self.rollout.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.backend.close()

@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -92,6 +92,16 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None:
         """Undo :meth:`sleep`."""
+
+    def rng_state(self) -> Any:
+        """The sampler's random state, for a checkpoint (a resumed run samples alike), or None
+        when the engine has none to save (vLLM seeds each request)."""
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore what :meth:`rng_state` gave (None: nothing to restore)."""
+
+    def close(self) -> None:
+        """Release the engine's processes and memory; the engine is unusable afterwards."""
 
 
 @runtime_checkable

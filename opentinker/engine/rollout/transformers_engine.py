@@ -97,6 +97,9 @@ class TransformersRolloutEngine:
     def wake(self) -> None:
         """See :meth:`sleep`."""
 
+    def close(self) -> None:
+        """The model lives in this process and goes with it; nothing to release."""
+
     # -- generation ----------------------------------------------------------------
     @property
     def shared_generator(self) -> torch.Generator:

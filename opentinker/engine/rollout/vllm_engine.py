@@ -25,9 +25,10 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from opentinker.engine.weight_buckets import bucketed
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
+from opentinker.engine.weight_buckets import bucketed
 
 #: Weight-sync buckets are regrouped to at most this many bytes per RPC.
 SYNC_BUCKET_BYTES = 64 << 20
@@ -284,6 +285,14 @@ class VLLMRolloutEngine:
             problem = f"update_weights: no new value for {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}"
         if problem:
             raise KeyError(problem)
+
+    # -- random state ----------------------------------------------------------------
+    def rng_state(self) -> None:
+        """None: every request carries its own seed (``SamplingParams.seed``); no state to save."""
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        """Nothing to restore (see :meth:`rng_state`)."""
 
     # -- memory ----------------------------------------------------------------------
     def sleep(self) -> None:
