@@ -44,9 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import zlib
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +73,14 @@ from opentinker.environments.openenv_schema import (
     observation_field_for,
     observation_text,
 )
+from opentinker.environments.openenv_sessions import (
+    CAPACITY_MAX_DELAY_S,
+    CLOSE_TIMEOUT_S,
+    EXCHANGE_SLACK_S,
+    SessionGate,
+    SessionOpener,
+    error_of,
+)
 from opentinker.environments.relay import RelayTransport
 from opentinker.environments.templates import checked_template, template_names
 from opentinker.environments.transport import BadAnswer, NoAnswer
@@ -86,75 +92,7 @@ __all__ = ["OpenEnvInteraction"]
 
 logger = logging.getLogger(__name__)
 
-CAPACITY_REACHED = "CAPACITY_REACHED"
-CAPACITY_FIRST_DELAY_S = 0.1  # the first back-off after a CAPACITY_REACHED; doubles, jittered
-CAPACITY_MAX_DELAY_S = 5.0
-EXCHANGE_SLACK_S = 10.0  # beyond timeout_s, for a message's way through a relay (its own slack is 5 s)
-CLOSE_TIMEOUT_S = 5.0  # closing a session: the close message and the socket's close
-_MAX_LEARNED_SESSIONS = 100_000
 _MAX_NAME_CHARS = 128
-
-
-class _AtCapacity(Exception):
-    def __init__(self, active: Any, maximum: Any):
-        super().__init__("at capacity")
-        self.active = active if _count(active) else None
-        self.maximum = maximum if _count(maximum) else None
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-class _SessionGate:
-    """How many sessions this interaction may hold with one env server at once (None: not yet
-    known), and the episodes waiting for one, first come first served. ``release`` is
-    synchronous, so a cancelled episode can always give its slot back."""
-
-    def __init__(self, limit: int | None):
-        self.limit = limit
-        self.held = 0
-        self._waiting: deque[asyncio.Future] = deque()
-
-    def _free(self) -> bool:
-        return self.limit is None or self.held < self.limit
-
-    async def acquire(self, timeout_s: float) -> bool:
-        """Take a slot within ``timeout_s``; False when none came."""
-        if self._free() and not self._waiting:
-            self.held += 1
-            return True
-        if timeout_s <= 0:
-            return False
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
-        try:
-            await asyncio.wait_for(waiter, timeout_s)  # _wake counted the slot as held for us
-            return True
-        except (asyncio.TimeoutError, TimeoutError):
-            return False
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():  # handed a slot, then cancelled: give it back
-                self.release()
-            raise
-        finally:
-            if waiter in self._waiting:
-                self._waiting.remove(waiter)
-
-    def release(self) -> None:
-        self.held -= 1
-        self._wake()
-
-    def learn(self, limit: int) -> None:
-        self.limit = limit
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiting and self._free():
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                self.held += 1
-                waiter.set_result(None)
 
 
 @dataclass
@@ -169,7 +107,7 @@ class _Plan:
 class _Episode:
     base: str
     session: EnvSession | None = None
-    gates: tuple[_SessionGate, ...] = ()  # the slots it holds (its server's, the connection pool's)
+    gates: tuple[SessionGate, ...] = ()  # the slots it holds (its server's, the connection pool's)
     plan: _Plan | None = None
     observation: InitialObservation | None = None
     steps: int = 0
@@ -217,14 +155,6 @@ def _error_text(data: Any) -> str:
         if problems:
             text = f"{text} ({'; '.join(problems)})" if text else "; ".join(problems)
     return f"{code}: {_clip(text)}" if text else code
-
-
-def _error_of(reply: Any) -> dict | None:
-    """The data of an OpenEnv error message (``{"type": "error", "data": ...}``), else None."""
-    if isinstance(reply, dict) and reply.get("type") == "error":
-        data = reply.get("data")
-        return data if isinstance(data, dict) else {}
-    return None
 
 
 class OpenEnvInteraction(Interaction):
@@ -282,13 +212,20 @@ class OpenEnvInteraction(Interaction):
         self.relayed = isinstance(self._transport, RelayTransport)
         self._episodes: dict[str, _Episode] = {}
         self._plans: dict[str, _Plan] = {}
-        self._limits: dict[str, int] = {}  # learned max_sessions per base URL
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._gates: dict[str, _SessionGate] = {}
-        self._pool: _SessionGate | None = None
+        self.sessions = SessionOpener(self._transport, timeout_s=self.timeout_s, retries=self.retries,
+                                      backoff_s=self.backoff_s, max_connections=self.max_connections,
+                                      capacity_wait_s=self.capacity_wait_s)
         self._plan_locks: dict[str, asyncio.Lock] = {}
-        #: CAPACITY_REACHED answers seen (each one a session refused and tried again later).
-        self.capacity_refusals = 0
+        self._plan_loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def capacity_refusals(self) -> int:
+        """CAPACITY_REACHED answers seen (each one a session refused and tried again later)."""
+        return self.sessions.capacity_refusals
+
+    @property
+    def session_limit(self) -> int:
+        return self.sessions.session_limit
 
     @classmethod
     def create(cls, config: dict[str, Any] | None, context: InteractionContext | None = None) -> OpenEnvInteraction:
@@ -315,9 +252,6 @@ class OpenEnvInteraction(Interaction):
         """``GET /health`` of every shard by this interaction's route, concurrently."""
         await asyncio.gather(*(probe_health(self._transport, url, timeout_s) for url in self.shards))
 
-    def _ws_url(self, base: str) -> str:
-        return _join(self._transport.describe(base), "ws")
-
     def call_deadline_s(self) -> float:
         """The longest a call may take: a start that reads /schema, waits ``capacity_wait_s`` for
         a session and opens one with every retry, plus a second. Steps are far shorter: each is
@@ -327,33 +261,6 @@ class OpenEnvInteraction(Interaction):
         attempt = self.timeout_s + 2 * (self.timeout_s + EXCHANGE_SLACK_S) + 2 * CLOSE_TIMEOUT_S
         opening = (self.retries + 1) * attempt + backoffs
         return schema + self.capacity_wait_s + CAPACITY_MAX_DELAY_S + opening + 1.0
-
-    # -- per event loop state ----------------------------------------------------------
-
-    def _for_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # gates and locks belong to one loop (the agent runner's)
-            self._loop, self._gates, self._plan_locks, self._pool = loop, {}, {}, None
-
-    def _gate(self, base: str) -> _SessionGate:
-        self._for_loop()
-        gate = self._gates.get(base)
-        if gate is None:
-            gate = self._gates[base] = _SessionGate(self._limits.get(base))
-        return gate
-
-    @property
-    def session_limit(self) -> int:
-        """The most sessions this interaction holds at once over all its servers: a session keeps
-        its connection from the pool of ``max_connections`` for its whole episode, and two stay
-        free for /health and /schema."""
-        return max(1, self.max_connections - 2)
-
-    def _pool_gate(self) -> _SessionGate:
-        self._for_loop()
-        if self._pool is None:
-            self._pool = _SessionGate(self.session_limit)
-        return self._pool
 
     # -- /schema -----------------------------------------------------------------------
 
@@ -393,7 +300,9 @@ class OpenEnvInteraction(Interaction):
         plan = self._plans.get(base)
         if plan is not None:
             return plan
-        self._for_loop()
+        loop = asyncio.get_running_loop()
+        if self._plan_loop is not loop:  # locks belong to one loop (the agent runner's)
+            self._plan_loop, self._plan_locks = loop, {}
         lock = self._plan_locks.setdefault(base, asyncio.Lock())
         async with lock:  # one /schema read per server, however many episodes start at once
             plan = self._plans.get(base)
@@ -425,108 +334,12 @@ class OpenEnvInteraction(Interaction):
         problems = await asyncio.gather(*(one(base) for base in self.shards))
         return [problem for problem in problems if problem]
 
-    # -- sessions ----------------------------------------------------------------------
-
-    async def _exchange(self, session: EnvSession, message: dict[str, Any]) -> Any:
-        try:
-            return await asyncio.wait_for(session.exchange(message, self.timeout_s),
-                                          self.timeout_s + EXCHANGE_SLACK_S)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise NoAnswer(f"no answer within {self.timeout_s:g}s") from None
-
-    async def _close_session(self, session: EnvSession) -> None:
-        """Send ``close`` (the server ends the session and closes the connection, no answer),
-        then close our end; never raises."""
-        try:
-            await asyncio.wait_for(session.exchange({"type": "close"}, CLOSE_TIMEOUT_S), CLOSE_TIMEOUT_S + 1.0)
-        except Exception:  # the usual outcome: "closed by the env server"
-            pass
-        try:
-            await asyncio.wait_for(session.close(), CLOSE_TIMEOUT_S + 1.0)
-        except Exception:
-            pass
-
-    async def _release(self, episode: _Episode) -> None:
-        """Close the episode's session (if any) and give its slot back; idempotent."""
-        session, episode.session = episode.session, None
-        gates, episode.gates = episode.gates, ()
-        try:
-            if session is not None:
-                await self._close_session(session)
-        finally:
-            for gate in gates:
-                gate.release()
-
-    async def _open(self, episode: _Episode, reset: dict[str, Any]) -> Any:
-        """A session for ``episode`` (kept on it) and the env's reply to ``reset`` on it: waits
-        for a slot, backs off from CAPACITY_REACHED and retries an unreachable server."""
-        base, url = episode.base, self._ws_url(episode.base)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.capacity_wait_s
-        gate, pool = self._gate(base), self._pool_gate()
-        failures = refusals = 0
-        while True:
-            if not await gate.acquire(deadline - loop.time()):
-                raise EnvironmentServerError(
-                    url, f"no env session free within capacity_wait_s={self.capacity_wait_s:g}s (the server takes "
-                         f"{gate.limit} sessions at once; this interaction's other episodes hold them)",
-                    unreachable=True)
-            episode.gates = (gate,)
-            if not await pool.acquire(deadline - loop.time()):
-                await self._release(episode)
-                raise EnvironmentServerError(
-                    url, f"no connection free for a session within capacity_wait_s={self.capacity_wait_s:g}s "
-                         f"(max_connections={self.max_connections} holds {pool.limit} sessions at once; this "
-                         "interaction's other episodes hold them)", unreachable=True)
-            episode.gates = (gate, pool)
-            try:
-                episode.session = await self._transport.open_session(base, "ws", self.timeout_s)
-                reply = await self._exchange(episode.session, reset)
-                refused = _error_of(reply)
-                if refused is not None and refused.get("code") == CAPACITY_REACHED:
-                    raise _AtCapacity(refused.get("active_sessions"), refused.get("max_sessions"))
-                return reply
-            except _AtCapacity as full:
-                await self._release(episode)
-                self.capacity_refusals += 1
-                refusals += 1
-                self._learn_limit(base, gate, full.maximum)
-                delay = min(CAPACITY_MAX_DELAY_S, CAPACITY_FIRST_DELAY_S * 2 ** (refusals - 1))
-                delay *= random.uniform(0.5, 1.0)
-                if loop.time() + delay > deadline:
-                    at = f" ({full.active}/{full.maximum} sessions)" if full.maximum is not None else ""
-                    raise EnvironmentServerError(
-                        url, f"the env server stayed at capacity{at} for capacity_wait_s={self.capacity_wait_s:g}s "
-                             f"({refusals} tries)", unreachable=True) from None
-                await asyncio.sleep(delay)
-            except NoAnswer as exc:
-                await self._release(episode)
-                failures += 1
-                if failures > self.retries:
-                    tries = f" (after {failures} attempts)" if failures > 1 else ""
-                    raise EnvironmentServerError(url, f"{exc}{tries}", unreachable=True) from exc
-                logger.warning("%s failed (%s); retry %d/%d", url, exc, failures, self.retries)
-                await asyncio.sleep(self.backoff_s * 2 ** (failures - 1))
-            except (BadAnswer, ValueError) as exc:
-                await self._release(episode)
-                raise EnvironmentServerError(url, str(exc)) from exc
-
-    def _learn_limit(self, base: str, gate: _SessionGate, maximum: int | None) -> None:
-        """From a CAPACITY_REACHED: the server's own limit, else the sessions held here now."""
-        limit = maximum if maximum is not None else gate.held
-        limit = min(max(1, limit), _MAX_LEARNED_SESSIONS)
-        if self._limits.get(base) != limit:
-            logger.info("%s serves %d sessions at once: this interaction opens no more there at once",
-                        self._ws_url(base), limit)
-        self._limits[base] = limit
-        gate.learn(limit)
-
     # -- replies -----------------------------------------------------------------------
 
     @staticmethod
     def _observation_data(url: str, reply: Any, what: str) -> dict[str, Any]:
         """The data of an observation message, or EnvironmentServerError (the env's own error)."""
-        error = _error_of(reply)
+        error = error_of(reply)
         if error is not None:
             raise EnvironmentServerError(url, f"{what} answered {_error_text(error)}")
         if not isinstance(reply, dict):
@@ -565,21 +378,21 @@ class OpenEnvInteraction(Interaction):
         instance_id = await super().start_interaction(instance_id)
         episode = _Episode(self.shard_for(instance_id))
         self._episodes[instance_id] = episode  # so that finalize frees what a start cut short holds
-        url = self._ws_url(episode.base)
+        url = self.sessions.ws_url(episode.base)
         try:
             episode.plan = await self._plan(episode.base)
             data: dict[str, Any] = {**self.reset_kwargs, **kwargs}
             if data.get("seed") is None:  # left out rather than sent as null
                 data.pop("seed", None)
             data["episode_id"] = instance_id
-            reply = await self._open(episode, {"type": "reset", "data": data})
+            reply = await self.sessions.open(episode, {"type": "reset", "data": data})
             observation = self._observation_data(url, reply, "reset")["observation"]
             episode.observation = InitialObservation(observation_text(observation, episode.plan.observation_field))
         except BaseException:
             if self._episodes.get(instance_id) is episode:
                 del self._episodes[instance_id]
             self._rewards.pop(instance_id, None)
-            await self._release(episode)
+            await self.sessions.release(episode)
             raise
         return instance_id
 
@@ -601,7 +414,7 @@ class OpenEnvInteraction(Interaction):
         episode = self._episode(instance_id)
         if episode.done:
             return True, "", 0.0, {"step": episode.steps, "already_done": True}
-        url = self._ws_url(episode.base)
+        url = self.sessions.ws_url(episode.base)
         step = episode.steps + 1
         if episode.session is None:
             raise EnvironmentServerError(url, f"step {step}: the episode's session is gone (it broke earlier)",
@@ -609,14 +422,14 @@ class OpenEnvInteraction(Interaction):
         assert episode.plan is not None
         action = {**self.action_extra, episode.plan.action_field: last_assistant_content(messages)}
         try:
-            reply = await self._exchange(episode.session, {"type": "step", "data": action})
+            reply = await self.sessions.exchange(episode.session, {"type": "step", "data": action})
         except NoAnswer as exc:
-            await self._release(episode)
+            await self.sessions.release(episode)
             raise EnvironmentServerError(
                 url, f"step {step}: no answer ({exc}); the episode cannot go on in a new session (its env "
                      "state was in this one)", unreachable=True) from exc
         except BadAnswer as exc:
-            await self._release(episode)
+            await self.sessions.release(episode)
             raise EnvironmentServerError(url, f"step {step}: {exc}") from exc
         data = self._observation_data(url, reply, f"step {step}")
         reward, done = self._reward_done(url, data)
@@ -642,7 +455,7 @@ class OpenEnvInteraction(Interaction):
         if episode is None:
             return
         try:
-            await self._release(episode)
+            await self.sessions.release(episode)
         except Exception as exc:  # never raise from cleanup
             logger.warning("closing the session of instance %s failed: %r", instance_id, exc)
 
@@ -650,7 +463,7 @@ class OpenEnvInteraction(Interaction):
         """Close every session still open and the transport's connections (the interaction can
         be used again: new ones are made)."""
         episodes, self._episodes = list(self._episodes.values()), {}
-        await asyncio.gather(*(self._release(episode) for episode in episodes), return_exceptions=True)
+        await asyncio.gather(*(self.sessions.release(episode) for episode in episodes), return_exceptions=True)
         await self._transport.aclose()
 
     async def __aenter__(self) -> OpenEnvInteraction:

@@ -268,7 +268,7 @@ def test_sixteen_episodes_share_two_sessions_without_errors(tmp_path):
             async with make_env(live.url) as env:
                 start = time.perf_counter()
                 rewards = await asyncio.gather(*(episode(env, seed) for seed in range(16)))
-                return rewards, env.capacity_refusals, time.perf_counter() - start, env._limits
+                return rewards, env.capacity_refusals, time.perf_counter() - start, env.sessions.limits
 
         rewards, refusals, took, limits = run(main())
         stats = live.wait_idle()
