@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from opentinker.config import ConfigError, make_config
 from opentinker.recipe import RecipeSpec
+from opentinker.engine.advantage_stage import AdvantageStage
 from opentinker.engine.agent_loop import AgentLoopConfig, Trajectory
 from opentinker.engine.agent_runner import (
     AgentLoopRunner,
@@ -40,7 +41,7 @@ from opentinker.engine.agent_runner import (
     failure_summary,
     single_turn_trajectory,
 )
-from opentinker.engine.algorithms import get_advantage_estimator, masked_mean
+from opentinker.engine.algorithms import get_advantage_estimator
 from opentinker.engine.algorithms.rollout_correction import rollout_correction
 from opentinker.engine.async_rollouts import RolloutPipeline
 from opentinker.engine.chat import ChatTemplater
@@ -57,7 +58,7 @@ from opentinker.engine.model_loading import (
     resolve_model_path,
 )
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
-from opentinker.engine.ppo import CriticUpdate, PPOUpdate, explained_variance
+from opentinker.engine.ppo import CriticUpdate, PPOUpdate
 from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
 from opentinker.engine.rollout import (
     AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
@@ -185,6 +186,7 @@ class RLTrainer:
         self.wandb_run = start_wandb(cfg) if "wandb" in cfg.trainer.logger else None
         if self.strategy_judge is None and cfg.algorithm.enable_solution_classification:
             self.strategy_judge = judge_from_config(cfg, self.model_path)
+        self.advantages = AdvantageStage(cfg.algorithm, self.estimator, self.strategy_judge)
         checkpoint = find_checkpoint(cfg.trainer.resume_mode, cfg.trainer.default_local_dir)
         if checkpoint is not None:
             self.resume(checkpoint)
@@ -302,70 +304,11 @@ class RLTrainer:
         batch.tensors["rollout_logprobs"] = batch.pad_response_values([t.rollout_logprobs for t in trajectories])
         return batch
 
-    @staticmethod
-    def token_rewards(batch: TokenBatch, rewards: Sequence[float]) -> torch.Tensor:
-        """Each scalar reward placed on its response's last model token (mask = 1)."""
-        token_rewards = torch.zeros_like(batch.response_mask)
-        positions = torch.arange(batch.response_width).expand_as(batch.response_mask)
-        last = torch.where(batch.response_mask > 0, positions, -1).max(dim=-1).values
-        for row, (position, reward) in enumerate(zip(last.tolist(), rewards)):
-            if position >= 0:
-                token_rewards[row, position] = reward
-        return token_rewards
+    # The advantage stage owns this; kept here for callers (and tests) that spy on a step's advantages.
+    token_rewards = staticmethod(AdvantageStage.token_rewards)
 
     def compute_advantages(self, batch: TokenBatch, rollout: Rollout) -> dict[str, float]:
-        algorithm = self.cfg.algorithm
-        labels, label_metrics = None, {}
-        if algorithm.adv_estimator.startswith("grpo_weighted"):
-            labels, label_metrics = self.strategy_labels(rollout)
-        values = batch.tensors.get("old_values")
-        advantages, returns, metrics = self.estimator(
-            self.token_rewards(batch, rollout.rewards),
-            batch.response_mask,
-            [p.uid for p in rollout.prompts],
-            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
-            gamma=algorithm.gamma,
-            lam=algorithm.lam,
-            weight_power=algorithm.weight_power,
-            weight_positive_only=algorithm.weight_positive_only,
-            strategy_labels=labels,
-            **({} if values is None else {"values": values}),
-        )
-        batch.tensors["advantages"] = advantages
-        metrics = {**metrics, **label_metrics, "advantages/mean": float(masked_mean(advantages, batch.response_mask))}
-        if values is not None:  # what the critic learns from: the returns its values should predict
-            batch.tensors["returns"] = returns
-            mask = batch.response_mask
-            metrics.update({"critic/values/mean": float(masked_mean(values, mask)),
-                            "critic/returns/mean": float(masked_mean(returns, mask)),
-                            "critic/explained_variance": explained_variance(values, returns, mask)})
-        return metrics
-
-    def strategy_labels(self, rollout: Rollout) -> tuple[list[Any], dict[str, float]]:
-        """One strategy label per sample from the judge; ``None`` (weight 1) where a sample is not
-        classified: no judge, an incorrect response under ``classify_only_correct``, or a group the
-        judge failed on (a fallback, counted in ``creativity/judge_fallbacks``)."""
-        labels: list[Any] = [None] * len(rollout.prompts)
-        if self.strategy_judge is None:
-            return labels, {}
-        members_of: dict[str, list[int]] = {}
-        for index, prompt in enumerate(rollout.prompts):
-            if not self.cfg.algorithm.classify_only_correct or rollout.rewards[index] > 0:
-                members_of.setdefault(prompt.uid, []).append(index)
-        groups = list(members_of.values())
-        requests = [(question_of(rollout, members[0]), [rollout.texts[i] for i in members]) for members in groups]
-        results = self.strategy_judge.label_groups(requests) if requests else []
-        fallbacks = 0
-        for members, result in zip(groups, results):
-            if result is None:
-                fallbacks += 1
-                continue
-            for index, label in zip(members, result):
-                labels[index] = label
-        metrics = dict(self.strategy_judge.pop_metrics())
-        metrics["creativity/judge_fallbacks"] = fallbacks
-        metrics["creativity/classified_fraction"] = sum(label is not None for label in labels) / len(labels)
-        return labels, metrics
+        return self.advantages.compute(batch, rollout)
 
     def sync_weights(self) -> None:
         """Stream the backend's weights into the rollout engine, bucket by bucket."""
@@ -807,14 +750,6 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     if n - correct < k:
         return 1.0
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
-
-
-def question_of(rollout: Rollout, index: int) -> str:
-    """The user's question of a sample (its first user message), for the strategy judge."""
-    for message in rollout.trajectories[index].messages or rollout.prompts[index].row.get("prompt") or []:
-        if message.get("role") == "user":
-            return message["content"]
-    return ""
 
 
 def judge_from_config(cfg: RecipeSpec, policy_model_path: str) -> "StrategyJudge":
