@@ -19,7 +19,6 @@ answered with errors of its own, prompts too long) is skipped: it still counts
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +34,7 @@ from opentinker.config import ConfigError, make_config
 from opentinker.recipe import RecipeSpec
 from opentinker.engine.advantage_stage import AdvantageStage
 from opentinker.engine.agent_loop import AgentLoopConfig, Trajectory
+from opentinker.engine.checkpoints import CRITIC_STATE, find_checkpoint, read_trainer_state, write_checkpoint
 from opentinker.engine.agent_runner import (
     AgentLoopRunner,
     environment_metrics,
@@ -60,6 +60,7 @@ from opentinker.engine.model_loading import (
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.ppo import CriticUpdate, PPOUpdate
 from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
+from opentinker.engine.step_metrics import rollout_metrics, token_count, validation_metrics
 from opentinker.engine.rollout import (
     AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
 )
@@ -351,11 +352,11 @@ class RLTrainer:
         self.global_step += 1
         self.consecutive_skipped_steps = 0
         return {
-            **self.rollout_metrics(rollout, batch),
+            **rollout_metrics(rollout, batch),
             **environment_metrics(full_rollout),
             **train_metrics,
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
-            "perf/tokens_per_s": self.token_count(batch) / (timer.seconds["step"] - waited),  # the wait is no work
+            "perf/tokens_per_s": token_count(batch) / (timer.seconds["step"] - waited),  # the wait is no work
             "rollout/excluded_trajectories": float(len(full_rollout.trajectories) - len(rollout.trajectories)),
             "rollout/reward_timeouts": float(sum(t.stop_reason == "reward_timeout" for t in full_rollout.trajectories)),
             "train/skipped": 0.0,
@@ -528,25 +529,6 @@ class RLTrainer:
         split = f"step{self.global_step + 1}"
         return tokenize_rows(rows, self.tokenizer, self.cfg.data.max_prompt_length, split, bool(self.interactions))
 
-    @staticmethod
-    def token_count(batch: TokenBatch) -> int:
-        return sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
-
-    def rollout_metrics(self, rollout: Rollout, batch: TokenBatch) -> dict[str, float]:
-        rewards = torch.tensor(rollout.rewards)
-        lengths = batch.response_mask.sum(-1)
-        truncated = sum(t.stop_reason == "max_response_length" for t in rollout.trajectories)
-        return {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "reward/max": float(rewards.max()),
-            "reward/min": float(rewards.min()),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "prompt_length/mean": sum(len(p) for p in batch.prompt_ids) / len(batch),
-            "response_length/clip_ratio": truncated / len(rollout.trajectories),
-        }
-
     # -- validation and checkpoints -------------------------------------------------
     def validate(self) -> dict[str, float]:
         """Accuracy (mean of reward > 0) on the held-out prompts; with ``rollout.val_n > 1``
@@ -562,21 +544,7 @@ class RLTrainer:
             rollout = self.pipeline.call(self.generate, self.val_prompts, samples, True)
         else:
             rollout = self.generate(self.val_prompts, samples, validation=True)
-        groups = [  # the rewards of each prompt's samples that count
-            [t.reward for t in rollout.trajectories[i:i + samples] if not t.excluded]
-            for i in range(0, len(rollout.trajectories), samples)
-        ]
-        rewards = [r for group in groups for r in group]
-        metrics = {"val/excluded": float(len(rollout.trajectories) - len(rewards))}
-        if rewards:
-            metrics["val/accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
-            metrics["val/reward_mean"] = sum(rewards) / len(rewards)
-        if samples > 1:
-            for k in sorted({min(2 ** e, samples) for e in range(samples.bit_length() + 1)}):
-                usable = [(len(group), sum(r > 0 for r in group)) for group in groups if len(group) >= k]
-                if usable:
-                    metrics[f"val/pass@{k}"] = sum(pass_at_k(n, c, k) for n, c in usable) / len(usable)
-        return metrics
+        return validation_metrics(rollout, samples)
 
     def save_checkpoint(self) -> Path | None:
         """``<default_local_dir>/global_step_<k>/``: ``actor/`` (a Hugging Face folder),
@@ -586,17 +554,9 @@ class RLTrainer:
         root = self.cfg.trainer.default_local_dir
         if not root:
             return None
-        folder = Path(root) / f"global_step_{self.global_step}"
-        actor = self.backend.export_hf(folder / "actor", self.tokenizer)
-        self.backend.save_state(folder / "state")
-        if self.critic is not None:
-            self.critic.backend.save_state(folder / CRITIC_STATE)
-        torch.save(self.trainer_state(), folder / TRAINER_STATE)  # last: its presence marks a complete checkpoint
-        latest = Path(root) / LATEST_CHECKPOINT
-        tmp = latest.with_suffix(".tmp")
-        tmp.write_text(str(self.global_step))
-        tmp.replace(latest)
-        return actor
+        critic = self.critic.backend if self.critic is not None else None
+        return write_checkpoint(Path(root), self.global_step, self.backend, self.tokenizer, critic,
+                                self.trainer_state())
 
     def trainer_state(self) -> dict[str, Any]:
         """What, besides the backend's state, a run needs to continue exactly as it would have."""
@@ -624,7 +584,7 @@ class RLTrainer:
     def resume(self, checkpoint: Path) -> None:
         """Continue from ``checkpoint`` (a ``global_step_<k>`` folder): the backend's state,
         the trainer's, and the rollout engine's weights."""
-        state = torch.load(checkpoint / TRAINER_STATE, weights_only=False)
+        state = read_trainer_state(checkpoint)
         self.backend.load_state(checkpoint / "state")
         self.global_step = int(state["global_step"])
         self.ppo.load_state_dict({"updates": state["ppo_updates"], "shuffle": state["ppo_shuffle"]})
@@ -720,36 +680,6 @@ class RLTrainer:
         self.backend.close()
         if self.critic is not None:
             self.critic.backend.close()
-
-
-TRAINER_STATE = "trainer_state.pt"
-CRITIC_STATE = "critic_state"  # the value model's backend state, beside the actor's "state"
-LATEST_CHECKPOINT = "latest_checkpointed_iteration.txt"  # verl's name for the same file
-
-
-def find_checkpoint(resume_mode: str, root: str | None) -> Path | None:
-    """The checkpoint ``trainer.resume_mode`` asks for: ``disable`` none; ``auto`` the newest
-    complete one under ``root`` (none on a fresh run); else the ``global_step_<k>`` folder it
-    names, which must be complete."""
-    if resume_mode == "disable":
-        return None
-    if resume_mode == "auto":
-        latest = Path(root) / LATEST_CHECKPOINT if root else None
-        if latest is None or not latest.exists():
-            return None
-        folder = Path(root) / f"global_step_{int(latest.read_text().strip())}"
-    else:
-        folder = Path(resume_mode)
-    if not (folder / TRAINER_STATE).exists():
-        raise ConfigError(f"trainer.resume_mode: {folder} is not a complete checkpoint (no {TRAINER_STATE})")
-    return folder
-
-
-def pass_at_k(n: int, correct: int, k: int) -> float:
-    """Probability that at least one of k samples drawn from n (``correct`` right) is right."""
-    if n - correct < k:
-        return 1.0
-    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
 def judge_from_config(cfg: RecipeSpec, policy_model_path: str) -> "StrategyJudge":
