@@ -43,7 +43,6 @@ from opentinker.engine.agent_runner import (
 )
 from opentinker.engine.algorithms import get_advantage_estimator
 from opentinker.engine.algorithms.rollout_correction import rollout_correction
-from opentinker.engine.async_rollouts import RolloutPipeline
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
@@ -60,6 +59,7 @@ from opentinker.engine.model_loading import (
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.ppo import CriticUpdate, PPOUpdate
 from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
+from opentinker.engine.rollout_sources import PipelinedRollouts, RolloutSource, StepRollouts
 from opentinker.engine.step_metrics import rollout_metrics, token_count, validation_metrics
 from opentinker.engine.rollout import (
     AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
@@ -153,7 +153,11 @@ class RLTrainer:
         self.max_staleness = int(cfg.async_training.max_staleness)
         self._startup_warnings: list[str] = []  # found while building, said at the first step
         self.rollout: RolloutEngine = self._make_rollout_engine()
-        self.pipeline: RolloutPipeline | None = None  # started by the first asynchronous step
+        # Where each step's rollout comes from: made in the step, or launched steps ahead.
+        self.rollouts: RolloutSource = (
+            PipelinedRollouts(self.max_staleness, self.loader, self.rollout_through_outages, self.rollout,
+                              self.backend.weights) if self.max_staleness else
+            StepRollouts(self.loader, self.rollout_through_outages, self.rollout, self.backend.weights))
         self.agent_loops: AgentLoopRunner | None = None
         if self.interactions:
             multi_turn = ar.rollout.multi_turn
@@ -326,17 +330,8 @@ class RLTrainer:
         """
         timer = Timer()
         with timer.phase("step"):
-            if self.max_staleness:
-                if rows is not None:
-                    raise ConfigError("async_training.max_staleness > 0 draws each step's prompts ahead of "
-                                      "the step; a client-pushed batch trains with max_staleness=0")
-                full_rollout, outage, version = self.next_async_rollout(timer)
-            else:
-                # Drawn once: a step redone after an outage trains on the same prompts, and the
-                # loader (whose position a checkpoint saves) advances once per step as always.
-                prompts = next(self.loader) if rows is None else self.tokenize_batch(rows)
-                full_rollout, outage = self.rollout_through_outages(prompts, timer)
-                version = self.global_step
+            pushed = None if rows is None else self.tokenize_batch(rows)
+            full_rollout, outage, version = self.rollouts.rollout(pushed, timer, self.global_step)
             # Removed before advantages, so excluded samples never shift a group's mean or std.
             rollout = full_rollout.keep(full_rollout.trainable())
             if rollout.trajectories:
@@ -364,29 +359,6 @@ class RLTrainer:
             **outage_metrics,
             **staleness,
         }
-
-    def next_async_rollout(self, timer: Timer) -> tuple[Rollout, EnvOutage | None, int]:
-        """This step's rollout from the pipeline (launched up to ``max_staleness`` steps ago),
-        the version it sampled with; the pipeline then runs the next steps' rollouts."""
-        if self.pipeline is None:
-            self.pipeline = RolloutPipeline(self.rollout, self.max_staleness, self._draw_prompts,
-                                            self._rollout_in_pipeline)
-            self.pipeline.pushed_version = self.global_step  # the engine holds this step's weights
-        self.pipeline.fill(self.global_step + 1)
-        with timer.phase("rollout_wait"):
-            (full_rollout, outage, seconds), version = self.pipeline.next()
-        for name, value in seconds.items():  # the rollout's own phases, run beside earlier updates
-            timer.seconds[name] = timer.seconds.get(name, 0.0) + value
-        return full_rollout, outage, version
-
-    def _draw_prompts(self) -> tuple[list[Prompt], Any]:
-        state = self.loader.state_dict()
-        return next(self.loader), state
-
-    def _rollout_in_pipeline(self, prompts: Sequence[Prompt]) -> tuple[Rollout, EnvOutage | None, dict[str, float]]:
-        timer = Timer()
-        full_rollout, outage = self.rollout_through_outages(prompts, timer)
-        return full_rollout, outage, timer.seconds
 
     def rollout_through_outages(self, prompts: Sequence[Prompt], timer: Timer) -> tuple[Rollout, EnvOutage | None]:
         """The step's rollout; while it has nothing to train on because env servers could not
@@ -427,8 +399,7 @@ class RLTrainer:
         cfg = self.cfg
         temperature = cfg.actor_rollout_ref.rollout.temperature or 1.0
         batch = self.to_batch(rollout)
-        if not self.max_staleness:
-            self.rollout.sleep()  # a colocated GPU engine gives its memory to training until the sync
+        self.rollouts.before_update()
         correction = cfg.algorithm.rollout_correction
         if correction.bypass_mode:  # the sampler's logprobs are the old ones (no recompute)
             batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"].clone()
@@ -457,11 +428,7 @@ class RLTrainer:
                 update_metrics.update(self.ppo.update(actor_batch, temperature=temperature))
         correction_metrics = self.correction_metrics(batch)
         with timer.phase("sync"):
-            if self.pipeline is not None:  # applied between the rollouts already running
-                self.pipeline.push_weights(self.global_step + 1, self.backend.weights())
-            else:
-                self.rollout.wake()
-                self.sync_weights()
+            self.rollouts.after_update(self.global_step + 1)
         return batch, {**adv_metrics, **correction_metrics, **update_metrics}
 
     def without_rejected(self, batch: TokenBatch) -> TokenBatch:
@@ -513,8 +480,7 @@ class RLTrainer:
             )
         self.global_step += 1
         self.skipped_steps += 1
-        if self.pipeline is not None:  # no update: the engine's weights are this step's policy
-            self.pipeline.push_weights(self.global_step, None)
+        self.rollouts.after_skip(self.global_step)
         return {
             **environment_metrics(full_rollout),
             **{f"timing_s/{name}": seconds for name, seconds in timer.seconds.items()},
@@ -540,10 +506,7 @@ class RLTrainer:
         if not self.val_prompts:
             return {}
         samples = self.cfg.actor_rollout_ref.rollout.val_n
-        if self.pipeline is not None:  # after the rollouts in flight, with the newest weights
-            rollout = self.pipeline.call(self.generate, self.val_prompts, samples, True)
-        else:
-            rollout = self.generate(self.val_prompts, samples, validation=True)
+        rollout = self.rollouts.validation_rollout(self.generate, self.val_prompts, samples, True)
         return validation_metrics(rollout, samples)
 
     def save_checkpoint(self) -> Path | None:
@@ -560,13 +523,6 @@ class RLTrainer:
 
     def trainer_state(self) -> dict[str, Any]:
         """What, besides the backend's state, a run needs to continue exactly as it would have."""
-        loader = self.loader.state_dict()
-        rollout_rng = self.rollout.rng_state()
-        if self.pipeline is not None:
-            # Asynchronous: the prompts of rollouts in flight are drawn again after a resume, and
-            # the sampler's state mid-flight is not saved (a resumed run samples differently).
-            loader = self.pipeline.oldest_loader_state or loader
-            rollout_rng = None
         ppo = self.ppo.state_dict()
         critic = self.critic.state_dict() if self.critic is not None else {"updates": None, "shuffle": None}
         return {
@@ -575,8 +531,8 @@ class RLTrainer:
             "ppo_shuffle": ppo["shuffle"],
             "skipped_steps": self.skipped_steps,
             "consecutive_skipped_steps": self.consecutive_skipped_steps,
-            "loader": loader,
-            "rollout_rng": rollout_rng,
+            "loader": self.rollouts.loader_state(),
+            "rollout_rng": self.rollouts.rng_state(),
             "critic_updates": critic["updates"],
             "critic_shuffle": critic["shuffle"],
         }
@@ -670,8 +626,7 @@ class RLTrainer:
     def close(self) -> None:
         """Stop the rollout pipeline, the agent-loop threads (closing the interactions'
         connections) and the wandb run (the trainer is unusable afterwards)."""
-        if self.pipeline is not None:
-            self.pipeline.close()
+        self.rollouts.close()
         if self.agent_loops is not None:
             self.agent_loops.close()
         self.rollout.close()
