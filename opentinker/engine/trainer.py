@@ -42,9 +42,9 @@ from opentinker.engine.agent_runner import (
     single_turn_trajectory,
 )
 from opentinker.engine.algorithms import get_advantage_estimator
-from opentinker.engine.algorithms.rollout_correction import rollout_correction
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.correction import sampler_gap_metrics, without_rejected
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
 from opentinker.engine.env_outage import (
     PROBE_TIMEOUT_S, EnvironmentUnavailableError, EnvOutage, unreachable_endpoints,
@@ -420,47 +420,17 @@ class RLTrainer:
         if self.critic is not None:
             with timer.phase("update_critic"):
                 update_metrics.update(self.critic.update(batch))
-        actor_batch = self.without_rejected(batch)
+        actor_batch = without_rejected(batch, cfg.algorithm.rollout_correction)
         # trainer.critic_warmup: the first steps train the critic alone.
         self.ppo.logprobs_before_update = None
         if self.critic is None or self.global_step >= cfg.trainer.critic_warmup:
             with timer.phase("update"):
                 update_metrics.update(self.ppo.update(actor_batch, temperature=temperature))
-        correction_metrics = self.correction_metrics(batch)
+        correction_metrics = sampler_gap_metrics(batch, cfg.algorithm.rollout_correction,
+                                                 bool(self.max_staleness), self.ppo.logprobs_before_update)
         with timer.phase("sync"):
             self.rollouts.after_update(self.global_step + 1)
         return batch, {**adv_metrics, **correction_metrics, **update_metrics}
-
-    def without_rejected(self, batch: TokenBatch) -> TokenBatch:
-        """The batch the actor trains on: with ``rollout_correction.rollout_rs``, its response
-        mask without the tokens (or sequences) whose sampler/trainer ratio is out of bounds.
-        (The IS weights of ``rollout_is`` are applied in the loss.)"""
-        correction = self.cfg.algorithm.rollout_correction
-        if correction.rollout_rs is None or correction.bypass_mode:
-            return batch
-        _, kept, _ = rollout_correction(
-            batch.tensors["old_logprobs"], batch.tensors["rollout_logprobs"], batch.response_mask,
-            rollout_rs=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
-            rs_lower=correction.rollout_rs_threshold_lower)
-        return dataclasses.replace(batch, response_mask=kept, tensors=dict(batch.tensors))
-
-    def correction_metrics(self, batch: TokenBatch) -> dict[str, float]:
-        """The gap between sampler and trainer, ``rollout_corr/*`` (IS-weight statistics at the
-        configured level, token level when IS is off; the fraction rejected), wherever the
-        trainer's policy before the update is known: recomputed old logprobs, or the update's
-        own pass when it was a single step. Synchronous steps without correction skip it."""
-        correction = self.cfg.algorithm.rollout_correction
-        if correction.bypass_mode or not (self.max_staleness or correction.rollout_is or correction.rollout_rs):
-            return {}
-        before = batch.tensors.get("old_logprobs", self.ppo.logprobs_before_update)
-        if before is None:
-            return {}
-        _, _, metrics = rollout_correction(
-            before, batch.tensors["rollout_logprobs"], batch.response_mask,
-            rollout_is=correction.rollout_is or "token", is_threshold=correction.rollout_is_threshold,
-            rollout_rs=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
-            rs_lower=correction.rollout_rs_threshold_lower)
-        return metrics
 
     def skip_step(self, full_rollout: Rollout, timer: Timer) -> dict[str, Any]:
         """A step with nothing to train on though its env servers answer (they answered with
