@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from opentinker.engine.async_rollouts import RolloutPipeline
 from opentinker.engine.rollout.base import RolloutEngine, WeightSource
+from opentinker.engine.step_types import Timer
 
 __all__ = ["PipelinedRollouts", "RolloutSource", "StepRollouts"]
 
@@ -116,8 +117,6 @@ class PipelinedRollouts:
         return next(self.loader), state
 
     def _run(self, prompts: Sequence[Any]) -> tuple[Any, Any, dict[str, float]]:
-        from opentinker.engine.trainer import Timer
-
         timer = Timer()
         rollout, outage = self.make(prompts, timer)
         return rollout, outage, timer.seconds

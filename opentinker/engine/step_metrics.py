@@ -10,7 +10,7 @@ import torch
 from opentinker.engine.batch import TokenBatch
 
 if TYPE_CHECKING:
-    from opentinker.engine.trainer import Rollout
+    from opentinker.engine.step_types import Rollout
 
 __all__ = ["pass_at_k", "rollout_metrics", "token_count", "validation_metrics"]
 

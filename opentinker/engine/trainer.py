@@ -18,12 +18,7 @@ answered with errors of its own, prompts too long) is skipped: it still counts
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter
-import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,19 +26,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from opentinker.config import ConfigError, make_config
-from opentinker.recipe import RecipeSpec
 from opentinker.engine.advantage_stage import AdvantageStage
-from opentinker.engine.agent_loop import AgentLoopConfig, Trajectory
-from opentinker.engine.checkpoints import CRITIC_STATE, find_checkpoint, read_trainer_state, write_checkpoint
-from opentinker.engine.agent_runner import (
-    AgentLoopRunner,
-    environment_metrics,
-    failure_summary,
-    single_turn_trajectory,
-)
+from opentinker.engine.agent_runner import environment_metrics, failure_summary
 from opentinker.engine.algorithms import get_advantage_estimator
-from opentinker.engine.chat import ChatTemplater
+from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.batch import TokenBatch
+from opentinker.engine.checkpoints import CRITIC_STATE, find_checkpoint, read_trainer_state, write_checkpoint
 from opentinker.engine.correction import sampler_gap_metrics, without_rejected
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
 from opentinker.engine.env_outage import (
@@ -56,53 +44,21 @@ from opentinker.engine.model_loading import (
     pick_device,
     resolve_model_path,
 )
-from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.ppo import CriticUpdate, PPOUpdate
-from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
+from opentinker.engine.reward_deadline import DeadlineScorer
+from opentinker.engine.rollout import RolloutEngine, make_rollout_engine
 from opentinker.engine.rollout_sources import PipelinedRollouts, RolloutSource, StepRollouts
+from opentinker.engine.sampling import RolloutSampler
 from opentinker.engine.step_metrics import rollout_metrics, token_count, validation_metrics
-from opentinker.engine.rollout import (
-    AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams, make_rollout_engine,
-)
+from opentinker.engine.step_types import Rollout, Timer
 from opentinker.environments.interaction import Interaction
+from opentinker.recipe import RecipeSpec
+
 
 if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-@dataclass
-class Rollout:
-    """The samples of one step, in prompt-major order (n consecutive samples per prompt)."""
-
-    prompts: list[Prompt]  # one entry per sample
-    trajectories: list[Trajectory]
-    texts: list[str]  # the model's text of each sample (all its turns)
-    interaction_names: list[str | None]  # which environment produced each sample
-
-    @property
-    def rewards(self) -> list[float]:
-        return [t.reward for t in self.trajectories]
-
-    def trainable(self) -> list[int]:
-        """Indices of the samples that go into the loss: not excluded, and the model spoke."""
-        return [i for i, t in enumerate(self.trajectories) if not t.excluded and t.response_ids]
-
-    def keep(self, indices: Sequence[int]) -> "Rollout":
-        return Rollout(*([field[i] for i in indices] for field in
-                         (self.prompts, self.trajectories, self.texts, self.interaction_names)))
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str):
-        start = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 class RLTrainer:
@@ -158,28 +114,10 @@ class RLTrainer:
             PipelinedRollouts(self.max_staleness, self.loader, self.rollout_through_outages, self.rollout,
                               self.backend.weights) if self.max_staleness else
             StepRollouts(self.loader, self.rollout_through_outages, self.rollout, self.backend.weights))
-        self.agent_loops: AgentLoopRunner | None = None
-        if self.interactions:
-            multi_turn = ar.rollout.multi_turn
-            # An engine with its own continuous batching takes each turn as it comes; else
-            # concurrent turns are gathered into batches.
-            requests = self.rollout if isinstance(self.rollout, AsyncCompletions) else RequestBatcher(
-                self.rollout, max_batch_size=ar.rollout.max_batch_size)
-            self.agent_loops = AgentLoopRunner(
-                requests,
-                self.tokenizer,
-                ChatTemplater(self.tokenizer, self.eos_ids),
-                AgentLoopConfig(
-                    max_assistant_turns=multi_turn.max_assistant_turns,
-                    max_user_turns=multi_turn.max_user_turns,
-                    max_tokens_per_turn=multi_turn.max_tokens_per_turn,
-                    max_response_length=cfg.data.max_response_length,
-                    reward_mode=multi_turn.reward_mode,
-                    env_error_reward=multi_turn.env_error_reward,
-                    max_prompt_length=cfg.data.max_prompt_length,  # for prompts the env writes
-                ),
-                self.interactions,
-            )
+        # Samples and scores responses: one batched generate and the reward function, or agent loops.
+        self.sampler = RolloutSampler(cfg, self.rollout, self.tokenizer, self.eos_ids, self.interactions,
+                                      self.reward_scorer, warn=lambda message: self.on_warning(message))
+        self.agent_loops = self.sampler.agent_loops
         self.global_step = 0
         self.skipped_steps = 0  # steps with nothing to train on, in all
         self.consecutive_skipped_steps = 0
@@ -257,48 +195,9 @@ class RLTrainer:
         )
 
     # -- phases --------------------------------------------------------------------
-    def sampling_params(self, validation: bool = False) -> SamplingParams:
-        rollout = self.cfg.actor_rollout_ref.rollout
-        return SamplingParams(
-            temperature=rollout.val_temperature if validation else rollout.temperature,
-            top_p=1.0 if validation else rollout.top_p,
-            top_k=-1 if validation else rollout.top_k,
-            max_tokens=self.cfg.data.max_response_length,
-            ignore_eos=False if validation else rollout.ignore_eos,
-        )
-
     def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
-        """Sample ``samples_per_prompt`` responses to each prompt and score them.
-
-        With interactions every sample is a (possibly multi-turn) agent loop whose reward
-        comes from its environment; otherwise one batched generate call and ``reward_fn``.
-        """
-        per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
-        params = self.sampling_params(validation)
-        if self.agent_loops is not None:
-            trajectories, names = self.agent_loops.run(per_sample, params)
-            timed_out = Counter(t.info["error_url"] for t in trajectories if t.info.get("env_timeout"))
-            if timed_out:
-                self.on_warning("env calls ran past their interaction's timeout_s and those samples are left out: "
-                                + ", ".join(f"{url} x{count}" for url, count in timed_out.most_common()))
-            texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
-            return Rollout(per_sample, trajectories, texts, names)
-        completions = self.rollout.generate([p.prompt_ids for p in per_sample], params)
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards = self.reward_scorer.score([(text, p.row) for p, text in zip(per_sample, texts)])
-        trajectories = [single_turn_trajectory(p.prompt_ids, c, 0.0 if reward is TIMED_OUT else reward)
-                        for p, c, reward in zip(per_sample, completions, rewards)]
-        timed_out = [i for i, reward in enumerate(rewards) if reward is TIMED_OUT]
-        for index in timed_out:  # left out of the step like a sample whose env failed
-            trajectories[index] = dataclasses.replace(
-                trajectories[index], excluded=True, stop_reason="reward_timeout",
-                info={"error": f"reward function {self.reward_scorer.name} timed out after "
-                               f"{self.reward_scorer.timeout_s:g} s"})
-        if timed_out:
-            self.on_warning(f"reward function {self.reward_scorer.name} ran past reward_model.timeout_s="
-                            f"{self.reward_scorer.timeout_s:g} s on {len(timed_out)} of {len(rewards)} samples; "
-                            "they are left out of this step")
-        return Rollout(per_sample, trajectories, texts, [None] * len(per_sample))
+        """Sample ``samples_per_prompt`` responses to each prompt and score them (the sampler's)."""
+        return self.sampler.generate(prompts, samples_per_prompt, validation)
 
     def to_batch(self, rollout: Rollout) -> TokenBatch:
         trajectories = rollout.trajectories
@@ -597,8 +496,7 @@ class RLTrainer:
         """Stop the rollout pipeline, the agent-loop threads (closing the interactions'
         connections) and the wandb run (the trainer is unusable afterwards)."""
         self.rollouts.close()
-        if self.agent_loops is not None:
-            self.agent_loops.close()
+        self.sampler.close()
         self.rollout.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()

@@ -1,0 +1,106 @@
+"""Sampling and scoring a step's responses: one batched ``generate`` of the rollout engine and
+the reward function (single-turn tasks), or one agent loop per sample against the job's
+interactions (multi-turn: the reward comes from the environment)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from opentinker.engine.agent_loop import AgentLoopConfig
+from opentinker.engine.agent_runner import AgentLoopRunner, single_turn_trajectory
+from opentinker.engine.chat import ChatTemplater
+from opentinker.engine.data import Prompt
+from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
+from opentinker.engine.rollout import AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams
+from opentinker.engine.step_types import Rollout
+from opentinker.environments.interaction import Interaction
+from opentinker.recipe import RecipeSpec
+
+__all__ = ["RolloutSampler"]
+
+
+class RolloutSampler:
+    """Owns the agent loops (their threads and the interactions' connections) of a run."""
+
+    def __init__(self, cfg: RecipeSpec, engine: RolloutEngine, tokenizer: Any, eos_ids: Any,
+                 interactions: Mapping[str, Interaction], reward_scorer: DeadlineScorer | None,
+                 warn: Callable[[str], None]):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward_scorer = reward_scorer
+        self.warn = warn
+        ar = cfg.actor_rollout_ref
+        self.agent_loops: AgentLoopRunner | None = None
+        if interactions:
+            multi_turn = ar.rollout.multi_turn
+            # An engine with its own continuous batching takes each turn as it comes; else
+            # concurrent turns are gathered into batches.
+            requests = engine if isinstance(engine, AsyncCompletions) else RequestBatcher(
+                engine, max_batch_size=ar.rollout.max_batch_size)
+            self.agent_loops = AgentLoopRunner(
+                requests,
+                tokenizer,
+                ChatTemplater(tokenizer, eos_ids),
+                AgentLoopConfig(
+                    max_assistant_turns=multi_turn.max_assistant_turns,
+                    max_user_turns=multi_turn.max_user_turns,
+                    max_tokens_per_turn=multi_turn.max_tokens_per_turn,
+                    max_response_length=cfg.data.max_response_length,
+                    reward_mode=multi_turn.reward_mode,
+                    env_error_reward=multi_turn.env_error_reward,
+                    max_prompt_length=cfg.data.max_prompt_length,  # for prompts the env writes
+                ),
+                dict(interactions),
+            )
+
+    def sampling_params(self, validation: bool = False) -> SamplingParams:
+        rollout = self.cfg.actor_rollout_ref.rollout
+        return SamplingParams(
+            temperature=rollout.val_temperature if validation else rollout.temperature,
+            top_p=1.0 if validation else rollout.top_p,
+            top_k=-1 if validation else rollout.top_k,
+            max_tokens=self.cfg.data.max_response_length,
+            ignore_eos=False if validation else rollout.ignore_eos,
+        )
+
+    def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
+        """Sample ``samples_per_prompt`` responses to each prompt and score them.
+
+        With interactions every sample is a (possibly multi-turn) agent loop whose reward
+        comes from its environment; otherwise one batched generate call and ``reward_fn``.
+        """
+        per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
+        params = self.sampling_params(validation)
+        if self.agent_loops is not None:
+            trajectories, names = self.agent_loops.run(per_sample, params)
+            timed_out = Counter(t.info["error_url"] for t in trajectories if t.info.get("env_timeout"))
+            if timed_out:
+                self.warn("env calls ran past their interaction's timeout_s and those samples are left out: "
+                                + ", ".join(f"{url} x{count}" for url, count in timed_out.most_common()))
+            texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
+            return Rollout(per_sample, trajectories, texts, names)
+        completions = self.engine.generate([p.prompt_ids for p in per_sample], params)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        rewards = self.reward_scorer.score([(text, p.row) for p, text in zip(per_sample, texts)])
+        trajectories = [single_turn_trajectory(p.prompt_ids, c, 0.0 if reward is TIMED_OUT else reward)
+                        for p, c, reward in zip(per_sample, completions, rewards)]
+        timed_out = [i for i, reward in enumerate(rewards) if reward is TIMED_OUT]
+        for index in timed_out:  # left out of the step like a sample whose env failed
+            trajectories[index] = dataclasses.replace(
+                trajectories[index], excluded=True, stop_reason="reward_timeout",
+                info={"error": f"reward function {self.reward_scorer.name} timed out after "
+                               f"{self.reward_scorer.timeout_s:g} s"})
+        if timed_out:
+            self.warn(f"reward function {self.reward_scorer.name} ran past reward_model.timeout_s="
+                            f"{self.reward_scorer.timeout_s:g} s on {len(timed_out)} of {len(rewards)} samples; "
+                            "they are left out of this step")
+        return Rollout(per_sample, trajectories, texts, [None] * len(per_sample))
+
+    def close(self) -> None:
+        """Stop the agent-loop threads (closing the interactions' connections)."""
+        if self.agent_loops is not None:
+            self.agent_loops.close()
