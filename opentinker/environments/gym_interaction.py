@@ -70,7 +70,7 @@ from opentinker.environments.transport import BadAnswer, NoAnswer
 if TYPE_CHECKING:
     from opentinker.environments.transport import Answer, EnvTransport
 
-__all__ = ["GymEnvironmentInteraction", "check_endpoint", "env_route", "shard_urls"]
+__all__ = ["GymEnvironmentInteraction", "RoutedEnvServers", "check_endpoint", "env_route", "shard_urls"]
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,36 @@ class _Retryable(Exception):
 _UNAVAILABLE_STATUSES = (502, 503, 504)
 
 
-class GymEnvironmentInteraction(Interaction):
+class RoutedEnvServers:
+    """The env servers an interaction talks to (``shards``) and the route its calls take
+    (``_transport``), both from :func:`env_route`: which server an instance uses, what errors
+    call it, and its ``/health`` by that route (what the trainer's outage rule probes)."""
+
+    shards: list[str]
+    _transport: EnvTransport
+
+    @property
+    def relayed(self) -> bool:
+        """Whether the job's client carries the calls (``relay: client``)."""
+        return isinstance(self._transport, RelayTransport)
+
+    def shard_for(self, instance_id: str) -> str:
+        """The base URL serving ``instance_id``: stable across calls and processes."""
+        return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
+
+    def endpoint_for(self, instance_id: str) -> str:
+        return self._transport.describe(self.shard_for(instance_id))
+
+    def endpoints(self) -> dict[str, str]:
+        """``{what errors call a server: its base URL}`` for every shard."""
+        return {self._transport.describe(url): url for url in self.shards}
+
+    async def check_health(self, endpoint: str, timeout_s: float) -> None:
+        """``GET /health`` of the server that errors call ``endpoint``, by this interaction's route."""
+        await probe_health(self._transport, self.endpoints()[endpoint], timeout_s)
+
+
+class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
     """HTTP client of an environment server (see the module docstring for the protocol).
 
     Config keys (sent by a job's client, so each is bounded):
@@ -293,7 +322,6 @@ class GymEnvironmentInteraction(Interaction):
         self._instances: dict[str, _Instance] = {}
         self.shards, self._transport = env_route(cfg, context, timeout_s=self.timeout_s,
                                                  max_connections=self.max_connections)
-        self.relayed = isinstance(self._transport, RelayTransport)
 
     @classmethod
     def create(
@@ -319,21 +347,6 @@ class GymEnvironmentInteraction(Interaction):
         """Every try's timeout plus every backoff sleep, and a second of slack: past it a call
         (a server trickling its answer defeats httpx's per-phase timeouts) is given up."""
         return self.timeout_s * (self.retries + 1) + self.backoff_s * (2 ** self.retries - 1) + 1.0
-
-    def endpoint_for(self, instance_id: str) -> str:
-        return self._transport.describe(self.shard_for(instance_id))
-
-    def endpoints(self) -> dict[str, str]:
-        """``{what errors call a server: its base URL}`` for every shard."""
-        return {self._transport.describe(url): url for url in self.shards}
-
-    async def check_health(self, endpoint: str, timeout_s: float) -> None:
-        """``GET /health`` of the server that errors call ``endpoint``, by this interaction's route."""
-        await probe_health(self._transport, self.endpoints()[endpoint], timeout_s)
-
-    def shard_for(self, instance_id: str) -> str:
-        """The base URL serving ``instance_id``: stable across calls and processes."""
-        return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
 
     async def _request_once(self, base: str, path: str, body: dict[str, Any]) -> Any:
         url = _join(self._transport.describe(base), path)

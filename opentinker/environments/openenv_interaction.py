@@ -44,11 +44,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentinker.environments.gym_interaction import (
+    RoutedEnvServers,
     _MAX_ERROR_CHARS,
     _UNAVAILABLE_STATUSES,
     _bounded,
@@ -56,7 +56,6 @@ from opentinker.environments.gym_interaction import (
     _reply_problem,
     _reply_shape,
     env_route,
-    probe_health,
 )
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
@@ -81,7 +80,6 @@ from opentinker.environments.openenv_sessions import (
     SessionOpener,
     error_of,
 )
-from opentinker.environments.relay import RelayTransport
 from opentinker.environments.templates import checked_template, template_names
 from opentinker.environments.transport import BadAnswer, NoAnswer
 
@@ -157,7 +155,7 @@ def _error_text(data: Any) -> str:
     return f"{code}: {_clip(text)}" if text else code
 
 
-class OpenEnvInteraction(Interaction):
+class OpenEnvInteraction(RoutedEnvServers, Interaction):
     """Client of an OpenEnv server (see the module docstring for the protocol and its failures).
 
     Config keys (sent by a job's client, so each is bounded):
@@ -209,7 +207,6 @@ class OpenEnvInteraction(Interaction):
         self._template_names = template_names(self.observation_template) if self.observation_template else []
         self.shards, self._transport = env_route(cfg, context, timeout_s=self.timeout_s,
                                                  max_connections=self.max_connections)
-        self.relayed = isinstance(self._transport, RelayTransport)
         self._episodes: dict[str, _Episode] = {}
         self._plans: dict[str, _Plan] = {}
         self.sessions = SessionOpener(self._transport, timeout_s=self.timeout_s, retries=self.retries,
@@ -231,26 +228,7 @@ class OpenEnvInteraction(Interaction):
     def create(cls, config: dict[str, Any] | None, context: InteractionContext | None = None) -> OpenEnvInteraction:
         return cls(dict(config or {}), context)
 
-    # -- where calls go ---------------------------------------------------------------
-
-    def shard_for(self, instance_id: str) -> str:
-        """The base URL serving ``instance_id``: stable across calls and processes."""
-        return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
-
-    def endpoint_for(self, instance_id: str) -> str:
-        return self._transport.describe(self.shard_for(instance_id))
-
-    def endpoints(self) -> dict[str, str]:
-        """``{what errors call a server: its base URL}`` for every shard."""
-        return {self._transport.describe(url): url for url in self.shards}
-
-    async def check_health(self, endpoint: str, timeout_s: float) -> None:
-        """``GET /health`` of the server that errors call ``endpoint``, by this interaction's route."""
-        await probe_health(self._transport, self.endpoints()[endpoint], timeout_s)
-
-    async def check_endpoints(self, timeout_s: float = 5.0) -> None:
-        """``GET /health`` of every shard by this interaction's route, concurrently."""
-        await asyncio.gather(*(probe_health(self._transport, url, timeout_s) for url in self.shards))
+    # -- deadlines --------------------------------------------------------------------
 
     def call_deadline_s(self) -> float:
         """The longest a call may take: a start that reads /schema, waits ``capacity_wait_s`` for
