@@ -119,18 +119,20 @@ def _user(websocket: WebSocket):
     return user, Credential("key", hash_key(key))
 
 
-def _relayable_job(websocket: WebSocket, job_id: str, user_id: int) -> JobRecord:
+def _relayed_names(websocket: WebSocket, job_id: str, user_id: int) -> list[str]:
+    """The relayed interactions of the user's job, or _Refused saying why it can have no relay."""
     settings = websocket.app.state.settings
     job = websocket.app.state.store.get_job(job_id)
     if job is None or job.user_id != user_id:
         raise _Refused(404, f"no job {job_id!r} of yours")
     if not settings.env_relays:
         raise _Refused(403, "client relays are turned off on this server (--no-env-relay)")
-    if not relayed_interactions(job.spec):
+    names = relayed_interactions(job.spec)
+    if not names:
         raise _Refused(409, f"job {job_id} has no interaction with relay: client")
     if job.status.finished:
         raise _Refused(409, f"job {job_id} is {job.status.value}: it needs no relay")
-    return job
+    return names
 
 
 async def _ray(ref: Any) -> Any:
@@ -146,15 +148,15 @@ async def relay(websocket: WebSocket, job_id: str) -> None:
     connection = None
     try:
         user, credential = _user(websocket)
-        job = _relayable_job(websocket, job_id, user.id)
+        names = _relayed_names(websocket, job_id, user.id)
         connection = board.claim(job_id, user.id)
         if connection is None:
             raise _Refused(429, f"you hold {board.per_user} client relays already, the most this server allows "
                                 "(--max-env-relays-per-user); end one first")
         await websocket.send_text(json.dumps({"type": "hello", "job_id": job_id,
-                                              "interactions": relayed_interactions(job.spec)}))
+                                              "interactions": names}))
         with app.state.credential_watch.watch(credential) as revoked:
-            await _carry(websocket, job_id, connection, revoked)
+            await _carry(websocket, job_id, names, connection, revoked)
     except _Refused as refused:
         await _close(websocket, refused.status, str(refused))
     except WebSocketDisconnect:
@@ -186,7 +188,8 @@ async def _runner(websocket: WebSocket, job_id: str, ended: asyncio.Event) -> An
     return None
 
 
-async def _carry(websocket: WebSocket, job_id: str, connection: _Connection, revoked: asyncio.Event) -> None:
+async def _carry(websocket: WebSocket, job_id: str, names: list[str], connection: _Connection,
+                 revoked: asyncio.Event) -> None:
     ended = asyncio.Event()  # the client went away, the key was revoked, or another connection took over
     stop_on = [asyncio.ensure_future(revoked.wait()), asyncio.ensure_future(connection.replaced.wait())]
     for waiter in stop_on:
@@ -201,10 +204,8 @@ async def _carry(websocket: WebSocket, job_id: str, connection: _Connection, rev
             return
         handle = await _ray(actor.relay_attach.remote())
         log.info("job %s: client relay connected", job_id)
-        store = websocket.app.state.store
-        names = ", ".join(relayed_interactions(store.get_job(job_id).spec))
-        store.append_event(job_id, "log", {"message": f"client relay connected: the env calls of {names} go to "
-                                                      "the job's client"})
+        websocket.app.state.store.append_event(job_id, "log", {
+            "message": f"client relay connected: the env calls of {', '.join(names)} go to the job's client"})
         tasks = [asyncio.ensure_future(_send_calls(websocket, actor, handle, ended)),
                  asyncio.ensure_future(_forward_answers(actor, handle, answers, ended))]
         await ended.wait()
