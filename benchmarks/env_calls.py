@@ -45,11 +45,11 @@ from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.server import bind_listening_socket
 
 
-def start_env_server() -> tuple[subprocess.Popen, str]:
+def start_server(command: list[str], what: str) -> tuple[subprocess.Popen, str]:
+    """``command`` + ``PORT`` on a free loopback port, once its /health answers: (process, URL)."""
     with bind_listening_socket("127.0.0.1", 0) as sock:
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "opentinker.environments.games", "arithmetic", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([*command, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -59,7 +59,12 @@ def start_env_server() -> tuple[subprocess.Popen, str]:
         except httpx.TransportError:
             time.sleep(0.1)
     server.kill()
-    raise RuntimeError("the env server did not start")
+    raise RuntimeError(f"{what} did not start")
+
+
+def start_env_server() -> tuple[subprocess.Popen, str]:
+    return start_server([sys.executable, "-m", "opentinker.environments.games", "arithmetic", "--port"],
+                        "the env server")
 
 
 async def through_the_interaction(interaction: GymEnvironmentInteraction, episodes: int, tag: str) -> None:
@@ -211,20 +216,8 @@ def relay_compare(url: str, episodes: int, rounds: int) -> dict[str, float]:
 def start_openenv_server(python: str) -> tuple[subprocess.Popen, str]:
     """``examples/openenv_env.py --serve`` on a free port, in the python that has openenv."""
     example = Path(__file__).resolve().parents[1] / "examples" / "openenv_env.py"
-    with bind_listening_socket("127.0.0.1", 0) as sock:
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([python, str(example), "--serve", str(port), "--max-sessions", "128"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    server.kill()
-    raise RuntimeError(f"the OpenEnv server did not start (is openenv installed in {python}? make install-openenv)")
+    return start_server([python, str(example), "--max-sessions", "128", "--serve"],
+                        f"the OpenEnv server (is openenv installed in {python}? make install-openenv)")
 
 
 async def openenv_compare(gym_url: str, openenv_url: str, episodes: int, rounds: int) -> dict[str, tuple[float, float]]:
