@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
+from opentinker.environments.relay import RelayDoor, RelayHub
 from opentinker.environments.server import bind_listening_socket
 
 
@@ -125,13 +126,11 @@ async def relay_rounds(config: dict, context, hub, episodes: int, rounds: int) -
     return {f"{name}_s": statistics.median(values[1:]) for name, values in walls.items()}
 
 
-class RelayRounds:
+class RelayRounds(RelayDoor):
     """A job runner (the JobManager's contract) whose run is the benchmark: rounds of episodes
     through a direct interaction and a relayed one, in turns, reported as a metrics event."""
 
     def __init__(self, job_id, spec, job_dir, policy, resume_from_step=None):
-        from opentinker.environments.relay import RelayHub
-
         self.job_id = job_id
         self.config = spec["interactions"][0]["config"]
         self.episodes, self.rounds = int(spec["name"].split("x")[0]), int(spec["name"].split("x")[1])
@@ -150,18 +149,6 @@ class RelayRounds:
 
     def cancel(self) -> None:
         pass
-
-    def relay_attach(self) -> int:
-        return self.relay.attach()
-
-    def relay_detach(self, connection: int) -> None:
-        self.relay.detach(connection)
-
-    def relay_take(self, connection: int, max_calls: int, wait_s: float):
-        return self.relay.take(connection, max_calls, wait_s)
-
-    def relay_answer(self, connection: int, answers: list[dict]) -> None:
-        self.relay.answer(connection, answers)
 
 
 def relay_compare(url: str, episodes: int, rounds: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ from typing import Any
 
 from opentinker.environments.transport import MAX_ANSWER_BYTES, Answer, BadAnswer, NoAnswer
 
-__all__ = ["RELAY_MODES", "RelayHub", "RelayTransport", "relay_mode"]
+__all__ = ["RELAY_MODES", "RelayDoor", "RelayHub", "RelayTransport", "relay_mode"]
 
 RELAY_MODES = ("client",)
 RELAY_SLACK_S = 5.0  # the two extra hops of a relayed call (control plane, client) on top of its timeout
@@ -167,6 +167,25 @@ class RelayHub:
                     self._waiting.pop(call_id, None)
                     if not future.done():  # still queued: take it back
                         self._pending = deque(c for c in self._pending if c["id"] != call_id)
+
+
+class RelayDoor:
+    """The methods a job's runner (a Ray actor) exposes for the control plane to carry its relay
+    (``server/routers/relay.py``); a runner mixes it in and sets ``self.relay`` to its hub."""
+
+    relay: RelayHub
+
+    def relay_attach(self) -> int:
+        return self.relay.attach()
+
+    def relay_detach(self, connection: int) -> None:
+        self.relay.detach(connection)
+
+    def relay_take(self, connection: int, max_calls: int, wait_s: float) -> list[dict[str, Any]] | None:
+        return self.relay.take(connection, max_calls, wait_s)
+
+    def relay_answer(self, connection: int, answers: list[dict[str, Any]]) -> None:
+        self.relay.answer(connection, answers)
 
 
 def _raise_for(answer: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.config import flatten
+from opentinker.environments.relay import RelayDoor, RelayHub
 from opentinker.protocol import JobCreate
 from opentinker.server.policy import JobPolicy
 
@@ -32,7 +33,7 @@ class JobCancelled(Exception):
     """Raised inside the loop when the job was asked to stop."""
 
 
-class JobRunner:
+class JobRunner(RelayDoor):
     def __init__(self, job_id: str, spec: dict[str, Any], job_dir: str, policy: JobPolicy | None = None,
                  resume_from_step: int | None = None):
         from opentinker.engine.cpu_threads import use_node_cores  # torch: only in the job's actor
@@ -54,8 +55,6 @@ class JobRunner:
         self._trainer = None  # set once built: what serve() generates with
         self._stopped = False
         self._between_steps = threading.Lock()  # held by a training step, or by serve()
-        from opentinker.environments.relay import RelayHub
-
         # The env calls of interactions with relay: client wait here for the job's client.
         self.relay = RelayHub(max_in_flight=self.policy.env_relay_in_flight)
 
@@ -89,19 +88,6 @@ class JobRunner:
 
     def request_checkpoint(self) -> None:
         self._checkpoint.set()
-
-    # The client relay (opentinker/server/relay.py carries the calls; environments/relay.py has the rules).
-    def relay_attach(self) -> int:
-        return self.relay.attach()
-
-    def relay_detach(self, connection: int) -> None:
-        self.relay.detach(connection)
-
-    def relay_take(self, connection: int, max_calls: int, wait_s: float) -> list[dict[str, Any]] | None:
-        return self.relay.take(connection, max_calls, wait_s)
-
-    def relay_answer(self, connection: int, answers: list[dict[str, Any]]) -> None:
-        self.relay.answer(connection, answers)
 
     def serve(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Completion events (``opentinker.engine.serving.stream_completions``) from the job's

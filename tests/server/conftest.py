@@ -37,13 +37,14 @@ ray = pytest.importorskip("ray")
 import uvicorn  # noqa: E402
 
 from opentinker.environments.server import bind_listening_socket  # noqa: E402
+from opentinker.environments.relay import RelayDoor, RelayHub  # noqa: E402
 from opentinker.server import auth  # noqa: E402
 from opentinker.server.app import create_app  # noqa: E402
 from opentinker.server.settings import ServerSettings  # noqa: E402
 from opentinker.server.store import Store  # noqa: E402
 
 
-class StandInRunner:
+class StandInRunner(RelayDoor):
     """A JobRunner look-alike whose steps are sleeps (see the module docstring)."""
 
     def __init__(self, job_id: str, spec: dict, job_dir: str, policy: Any, resume_from_step: int | None = None):
@@ -65,6 +66,7 @@ class StandInRunner:
         self._batches: collections.deque = collections.deque()
         self._cancel = threading.Event()
         self._checkpoint_requested = threading.Event()
+        self.relay = RelayHub()  # the client relay's door, as the real runner has it (no calls come)
 
     @staticmethod
     def ray_actor_options(spec: dict) -> dict:
@@ -137,26 +139,6 @@ class StandInRunner:
     def request_checkpoint(self) -> None:
         self._checkpoint_requested.set()
 
-    # The client relay, as the real runner has it (its calls come from nothing here).
-    def relay_attach(self) -> int:
-        return self._relay().attach()
-
-    def relay_detach(self, connection: int) -> None:
-        self._relay().detach(connection)
-
-    def relay_take(self, connection: int, max_calls: int, wait_s: float) -> list[dict] | None:
-        return self._relay().take(connection, max_calls, wait_s)
-
-    def relay_answer(self, connection: int, answers: list[dict]) -> None:
-        self._relay().answer(connection, answers)
-
-    def _relay(self):
-        from opentinker.environments.relay import RelayHub
-
-        with self._lock:
-            if not hasattr(self, "relay"):
-                self.relay = RelayHub()
-            return self.relay
 
 
 class LiveServer:
