@@ -13,9 +13,10 @@ from opentinker.engine.agent_loop import AgentLoopConfig
 from opentinker.engine.agent_runner import AgentLoopRunner, single_turn_trajectory
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.data import Prompt
+from opentinker.engine.env_outage import PROBE_TIMEOUT_S, EnvOutage, unreachable_endpoints
 from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
 from opentinker.engine.rollout import AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams
-from opentinker.engine.step_types import Rollout
+from opentinker.engine.step_types import Rollout, Timer
 from opentinker.environments.interaction import Interaction
 from opentinker.recipe import RecipeSpec
 
@@ -27,12 +28,13 @@ class RolloutSampler:
 
     def __init__(self, cfg: RecipeSpec, engine: RolloutEngine, tokenizer: Any, eos_ids: Any,
                  interactions: Mapping[str, Interaction], reward_scorer: DeadlineScorer | None,
-                 warn: Callable[[str], None]):
+                 warn: Callable[[str], None], check_cancelled: Callable[[], None]):
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward_scorer = reward_scorer
         self.warn = warn
+        self.check_cancelled = check_cancelled  # raises when the job was cancelled during an outage
         ar = cfg.actor_rollout_ref
         self.agent_loops: AgentLoopRunner | None = None
         if interactions:
@@ -99,6 +101,42 @@ class RolloutSampler:
                             f"{self.reward_scorer.timeout_s:g} s on {len(timed_out)} of {len(rewards)} samples; "
                             "they are left out of this step")
         return Rollout(per_sample, trajectories, texts, [None] * len(per_sample))
+
+    def through_outages(self, generate: Callable[..., Rollout], prompts: Sequence[Prompt], timer: Timer,
+                        step_number: int) -> tuple[Rollout, EnvOutage | None]:
+        """Step ``step_number``'s rollout (``generate``); while it has nothing to train on because
+        env servers could not be reached, wait until their /health answers (:class:`EnvOutage`,
+        at most ``trainer.env_outage_timeout_s``, then :class:`EnvironmentUnavailableError`) and
+        redo it.
+
+        A redo has the step's prompts (drawn once; env seeds follow from them) and the engine's
+        random state at the first try, so it samples as the step would have without the outage.
+        Checkpoints fall between steps, so none holds a half-waited step: a run resumed after an
+        outage numbers and draws its steps as an unbroken one.
+        """
+        rng_at_start = self.engine.rng_state()
+        outage: EnvOutage | None = None
+        while True:
+            with timer.phase("rollout"):
+                full_rollout = generate(prompts, self.cfg.actor_rollout_ref.rollout.n)
+            if full_rollout.trainable():
+                break
+            down = unreachable_endpoints(full_rollout.trajectories, full_rollout.interaction_names)
+            if not down:
+                break  # empty, but the envs answered: redoing it would fail alike (the step is skipped)
+            if outage is None:
+                outage = EnvOutage(step_number, self.cfg.trainer.env_outage_timeout_s,
+                                   lambda urls: self.agent_loops.probe_health(urls, PROBE_TIMEOUT_S),
+                                   self.warn, self.check_cancelled)
+            last_error = next((t.info["error"] for t in reversed(full_rollout.trajectories)
+                               if t.info.get("env_unreachable")), "")
+            with timer.phase("env_outage_wait"):
+                outage.wait(down, last_error)
+            if rng_at_start is not None:
+                self.engine.set_rng_state(rng_at_start)
+        if outage is not None:
+            outage.resumed()
+        return full_rollout, outage
 
     def close(self) -> None:
         """Stop the agent-loop threads (closing the interactions' connections)."""

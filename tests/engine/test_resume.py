@@ -13,7 +13,7 @@ import torch
 
 from opentinker.config import ConfigError, make_config
 from opentinker.engine.model_loading import load_causal_lm
-from opentinker.engine.trainer import find_checkpoint
+from opentinker.engine.checkpoints import find_checkpoint
 
 CONFIG = [
     "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.n=4",

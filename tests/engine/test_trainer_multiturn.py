@@ -36,13 +36,13 @@ BASE = ["trainer.progress_bar=false", "actor_rollout_ref.rollout.multi_turn.max_
 def spy_on_advantages(trainer: RLTrainer) -> list:
     """Record the rollout each step computes advantages on (the real method still runs)."""
     seen = []
-    real = trainer.compute_advantages
+    real = trainer.advantages.compute
 
     def compute_advantages(batch, rollout):
         seen.append((len(batch), list(rollout.trajectories)))
         return real(batch, rollout)
 
-    trainer.compute_advantages = compute_advantages
+    trainer.advantages.compute = compute_advantages
     return seen
 
 
@@ -200,14 +200,14 @@ def test_ppo_with_gae_trains_a_critic_on_multi_turn_episodes(tiny_model_dir):
             train_rows=data_free_rows(8, "guess"), interactions={"guess": interaction},
         )
         batches = []
-        real = trainer.compute_advantages
+        real = trainer.advantages.compute
 
         def compute_advantages(batch, rollout):
             out = real(batch, rollout)
             batches.append(batch)
             return out
 
-        trainer.compute_advantages = compute_advantages
+        trainer.advantages.compute = compute_advantages
         history = trainer.fit()
         trainer.close()
     mask = torch.cat([b.response_mask.flatten() for b in batches])
