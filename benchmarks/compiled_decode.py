@@ -30,7 +30,7 @@ def prompts_of(rows: int, groups: int = 8) -> list[list[int]]:
     """GRPO's shape: ``groups`` arithmetic questions, each repeated ``rows / groups`` times."""
     from opentinker.engine.data import chat_prompt_ids
     from opentinker.engine.model_loading import load_tokenizer
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
     from opentinker.environments.arithmetic import make_problems
 
     tokenizer = load_tokenizer(str(ensure_tiny_model()))
@@ -64,7 +64,7 @@ def compare(eager, compiled, prompts: list[list[int]], tokens: int, rounds: int)
 def main() -> None:
     from rollout_throughput import transformers_engine
 
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)

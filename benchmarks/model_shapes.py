@@ -12,7 +12,7 @@ def qwen25_05b_folder() -> str:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from opentinker.engine.model_loading import load_tokenizer
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     tokenizer = load_tokenizer(str(ensure_tiny_model()))
     config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

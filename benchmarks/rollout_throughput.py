@@ -31,7 +31,7 @@ from opentinker.engine.rollout import SamplingParams
 def arithmetic_prompts(count: int) -> tuple[str, list[list[int]]]:
     from opentinker.engine.data import chat_prompt_ids
     from opentinker.engine.model_loading import load_tokenizer
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
     from opentinker.environments.arithmetic import make_problems
 
     folder = str(ensure_tiny_model())

@@ -193,7 +193,7 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10, compare_
     from tinker import types
 
     from opentinker.engine.backend.lora import LoraSettings
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
     from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
 
     token_rows = [[1 + (r * 7 + j * 13) % 900 for j in range(tokens + 1)] for r in range(rows)]
@@ -279,7 +279,7 @@ def interleaved(first, second, repeats: int) -> tuple[float, float]:
 def main() -> None:
     from transformers import AutoConfig
 
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is never asked; tokenize
 def tiny_tokenizer_in_hf_cache() -> None:
     """The tiny model's tokenizer in a private Hugging Face cache under its served name (what
     docs/tinker.md tells cookbook users to do), so the SDK's get_tokenizer() finds it offline."""
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     home = Path(tempfile.mkdtemp(prefix="tinker-compat-hf-"))
     repo = home / "hub" / "models--opentinker-tiny-arith"

@@ -35,7 +35,7 @@ def run_without_heavy_packages():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
 

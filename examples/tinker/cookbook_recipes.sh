@@ -64,7 +64,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-TINY="$("$PY" -c 'from opentinker.engine.tiny import ensure_tiny_model; print(ensure_tiny_model())')"
+TINY="$("$PY" -c 'from opentinker.tiny import ensure_tiny_model; print(ensure_tiny_model())')"
 echo "== tiny model: $TINY"
 
 echo "== starting opentinker-server on $BASE_URL (data: $DATA_DIR, log: $SERVER_LOG)"

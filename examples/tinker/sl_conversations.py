@@ -58,7 +58,7 @@ def blueprint(model_name: str, renderer_name: str) -> chz.Blueprint[train.Config
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     model_name = cli_utils.model_name_from_argv(argv, default="") or str(ensure_tiny_model())
     renderer_name = "role_colon"

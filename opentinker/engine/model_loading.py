@@ -14,9 +14,9 @@ class ModelLoadError(ValueError):
 
 
 def resolve_model_path(path: str | None) -> str:
-    """``None`` means the embedded tiny model (built once into the user cache)."""
+    """``None`` means the embedded tiny model (the folder shipped in the package)."""
     if path is None:
-        from opentinker.engine.tiny import ensure_tiny_model
+        from opentinker.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
     expanded = os.path.expanduser(str(path))

@@ -373,7 +373,7 @@ def test_seq_ids_far_ahead_or_behind_are_refused_and_queues_are_capped(server, k
 
 
 def test_the_server_admits_models_up_to_its_cap_and_memory_budget_whoever_asks(start_server, tmp_path, helpers):
-    from opentinker.engine.tiny import tiny_model_dir
+    from opentinker.tiny import tiny_model_dir
 
     from opentinker.server.policy import ServedModel
     from opentinker.server.tinker.model_facts import estimated_adapter_bytes, read_model_facts

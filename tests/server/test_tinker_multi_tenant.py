@@ -123,7 +123,7 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
 
 
 def _tiny_folder() -> str:
-    from opentinker.engine.tiny import tiny_model_dir
+    from opentinker.tiny import tiny_model_dir
 
     return str(tiny_model_dir())
 

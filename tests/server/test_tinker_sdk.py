@@ -384,7 +384,7 @@ def test_sampling_stops_seeds_and_prompt_logprobs(session):
 
     from transformers import AutoTokenizer
 
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
     text = tokenizer.decode(free.sequences[0].tokens)

@@ -27,7 +27,7 @@ service.close("success").result()
 
 def test_get_tokenizer_works_offline_after_the_tokenizer_command(server, keys, tmp_path, capsys):
     from opentinker.engine.model_loading import load_tokenizer
-    from opentinker.engine.tiny import ensure_tiny_model
+    from opentinker.tiny import ensure_tiny_model
 
     cache = tmp_path / "hub"
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}

@@ -151,7 +151,7 @@ class TinkerService:
 
     @staticmethod
     def _tiny_folder() -> str | None:
-        from opentinker.engine.tiny import tiny_model_dir  # no torch: only where the cache puts it
+        from opentinker.tiny import tiny_model_dir  # no torch: the shipped folder
 
         return str(tiny_model_dir())
 
