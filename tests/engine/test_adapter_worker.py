@@ -13,7 +13,7 @@ from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwa
 from opentinker.engine.tinker.model_worker import ModelSpec, TinkerModelWorker
 
 ADAM = {"learning_rate": 5e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 1.0}
-ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"  # Tinker's defaults: every switch on
 
 
 def datums(seed: int, count: int = 3) -> list:

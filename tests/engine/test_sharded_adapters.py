@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from opentinker.engine.backend.local import STATE_FILE
+from opentinker.engine.backend.base import STATE_FILE
 from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall as Call
 from opentinker.engine.tinker.pass_plan import PassLimits
 

@@ -35,12 +35,13 @@ def batch_of(client: int, step: int) -> list[types.Datum]:
 PROBE = datum(list(range(10, 30)))
 
 
-def train(service, client: int, rank: int, train_mlp: bool = True, bad_request: bool = False,
-          adam: types.AdamParams = types.AdamParams(learning_rate=5e-3)) -> dict:
+def train(service, client: int, rank: int, train_mlp: bool = True, train_unembed: bool = True,
+          bad_request: bool = False, adam: types.AdamParams = types.AdamParams(learning_rate=5e-3)) -> dict:
     """One client's run: STEPS of forward_backward + optim_step (with ``bad_request``, a
     malformed forward_backward before each step), then a state checkpoint and a sampler
     snapshot; returns its losses, model id, paths and the probe's logprobs."""
-    tc = service.create_lora_training_client(base_model=TINY, rank=rank, seed=client, train_mlp=train_mlp).result()
+    tc = service.create_lora_training_client(base_model=TINY, rank=rank, seed=client, train_mlp=train_mlp,
+                                             train_unembed=train_unembed).result()
     losses = []
     for step in range(STEPS):
         if bad_request:
@@ -74,8 +75,10 @@ def workers(server) -> dict[str, int]:
             "own workers": sum(isinstance(slot.actor, OwnWorker) for slot in host.live_models())}
 
 
-# (client, LoRA rank, adapted MLP too): two ranks, two sets of targets, four models.
-CLIENTS = [(0, 4, True), (1, 8, True), (2, 4, True), (3, 8, False)]
+# (client, LoRA rank, adapted MLP too, adapted unembedding too): two ranks, three sets of
+# targets, four models.
+CLIENTS = [(0, 4, True, True), (1, 8, True, True), (2, 4, True, False), (3, 8, False, True)]
+UNEMBED_A = "base_model.model.lm_head.lora_A.default.weight"
 
 
 def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, data_dir):
@@ -90,7 +93,7 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
     # one before: the sampler must have put the others back to the base).
     tiny_bytes = sum(f.stat().st_size for f in Path(_tiny_folder()).glob("*.safetensors"))
     prompt = PROBE.model_input.to_ints()[:5]
-    for (client, _, _), run in zip(CLIENTS, together):
+    for (client, _, _, _), run in zip(CLIENTS, together):
         folder = _folder(data_dir, run["sampler"])
         size = sum(f.stat().st_size for f in folder.iterdir())
         print(f"sampler snapshot of {run['model_id']}: {size} bytes (base weights {tiny_bytes} bytes)")
@@ -108,9 +111,9 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
         list(pool.map(lambda service: service.close("success").result(timeout=120), services))
     assert workers(server) == {"shared bases": 0, "adapters": 0, "own workers": 0}
 
-    for (client, rank, train_mlp), run in zip(CLIENTS, together):
+    for (client, rank, train_mlp, train_unembed), run in zip(CLIENTS, together):
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["alice"])
-        alone = train(service, client, rank, train_mlp, bad_request=client == 1)
+        alone = train(service, client, rank, train_mlp, train_unembed, bad_request=client == 1)
         np.testing.assert_allclose(alone["losses"], run["losses"], atol=1e-5)
         np.testing.assert_allclose(alone["probe"], run["probe"], atol=1e-5)
         mine, ours = checkpoint_weights(data_dir, alone["state"]), checkpoint_weights(data_dir, run["state"])
@@ -120,6 +123,13 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
     # Ranks differ, so the models really are different adapters.
     assert {len(checkpoint_weights(data_dir, r["state"])["base_model.model.model.layers.0.self_attn.q_proj"
                                                           ".lora_A.default.weight"]) for r in together} == {4, 8}
+    # train_unembed puts an adapter on the output projection, and it trained (its B left zero).
+    for (_, rank, _, train_unembed), run in zip(CLIENTS, together):
+        weights = checkpoint_weights(data_dir, run["state"])
+        assert (UNEMBED_A in weights) == train_unembed
+        if train_unembed:
+            assert weights[UNEMBED_A].shape[0] == rank
+            assert float(weights[UNEMBED_A.replace("lora_A", "lora_B")].abs().max()) > 0
 
 
 def _tiny_folder() -> str:
@@ -139,7 +149,7 @@ def _three_in_turn(server, key: str, after_first_round=lambda: None) -> dict[int
     """Three models trained in turn (one step of each, round after round); their losses."""
     service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + key)
     clients = {c: service.create_lora_training_client(base_model=TINY, rank=rank, seed=c).result()
-               for c, rank, _ in CLIENTS[:3]}
+               for c, rank, _, _ in CLIENTS[:3]}
     losses: dict[int, list[float]] = {c: [] for c in clients}
     for step in range(STEPS):
         for c, tc in clients.items():
@@ -212,8 +222,8 @@ def test_on_the_fsdp_strategy_lora_models_share_one_sharded_base(server, keys, d
     assert workers(sharded) == {"shared bases": 0, "adapters": 0, "own workers": 0}
 
     local = tinker.ServiceClient(base_url=server.url, api_key="tml-" + keys["alice"])
-    for (client, rank, train_mlp), run in zip(pair, on_ranks):
-        alone = train(local, client, rank, train_mlp, bad_request=client == 1, adam=adam)
+    for (client, rank, train_mlp, train_unembed), run in zip(pair, on_ranks):
+        alone = train(local, client, rank, train_mlp, train_unembed, bad_request=client == 1, adam=adam)
         np.testing.assert_allclose(run["losses"], alone["losses"], rtol=1e-5)
         np.testing.assert_allclose(run["probe"], alone["probe"], rtol=1e-5, atol=1e-5)
         mine, ours = checkpoint_weights(tmp_path, run["state"]), checkpoint_weights(data_dir, alone["state"])

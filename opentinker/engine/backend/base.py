@@ -23,10 +23,11 @@ All per-token tensors are ``[B, R]``, aligned with ``TokenBatch.response_mask``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ContextManager, Protocol
 
 import torch
 
@@ -56,18 +57,50 @@ def adamw_for(optimizer: torch.optim.AdamW | None, parameters: list[torch.nn.Par
     return optimizer
 
 
+def adamw_from_state(parameters: list[torch.nn.Parameter], state: Mapping[str, Any]) -> torch.optim.AdamW:
+    """An AdamW over ``parameters`` holding a saved ``state_dict`` (moments and step counts);
+    its settings come with each step (:func:`adamw_for`), so it is made with lr 0."""
+    optimizer = torch.optim.AdamW(parameters, lr=0.0)
+    optimizer.load_state_dict(state)
+    return optimizer
+
+
 def clipped_adamw_step(optimizer: torch.optim.AdamW | None, parameters: list[torch.nn.Parameter],
-                       params: AdamParams) -> tuple[torch.optim.AdamW, dict[str, float]]:
-    """Clip, then one AdamW step; a non-finite gradient norm skips the step (it would poison
-    the weights). Gradients are cleared either way. Returns the optimizer (made on first use)
-    and the step's metrics (``skipped_nonfinite`` 1.0: no step was taken)."""
+                       params: AdamParams, around_step: Callable[[], ContextManager[Any]] = nullcontext,
+                       ) -> tuple[torch.optim.AdamW, dict[str, float]]:
+    """The one optimizer step of every backend (one process, FSDP ranks, the shared adapter
+    worker): clip, then one AdamW step; a non-finite gradient norm skips the step (it would
+    poison the weights). Gradients are cleared either way. ``around_step`` wraps the step
+    itself (FSDP brings offloaded moments to the device and back). Returns the optimizer (made
+    on first use) and the step's metrics (``skipped_nonfinite`` 1.0: no step was taken)."""
     optimizer = adamw_for(optimizer, parameters, params)
     grad_norm = clip_gradients(parameters, params.grad_clip)
     finite = math.isfinite(grad_norm)
     if finite:
-        optimizer.step()
+        with around_step():
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return optimizer, {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
+
+
+#: The one-file checkpoint of a backend's trained state (one process, the shared adapter worker).
+STATE_FILE = "backend_state.pt"
+
+
+def write_state_file(folder: str | Path, weights: Mapping[str, torch.Tensor], optimizer: torch.optim.AdamW | None,
+                     rng: torch.Tensor, step: int, cuda_rng: Any = None) -> Path:
+    """``folder/backend_state.pt``: the trained weights (with LoRA: the adapters), the
+    optimizer's state (None before the first step), the RNG and the step count."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": dict(weights), "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "rng": rng, "cuda_rng": cuda_rng, "step": step}, folder / STATE_FILE)
+    return folder
+
+
+def read_state_file(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """What :func:`write_state_file` wrote (keys ``model``, ``optimizer``, ``rng``, ``cuda_rng``, ``step``)."""
+    return torch.load(Path(folder) / STATE_FILE, map_location=map_location, weights_only=False)
 
 
 def clip_gradients(parameters: list[torch.nn.Parameter], grad_clip: float | None) -> float:

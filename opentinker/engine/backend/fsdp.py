@@ -18,8 +18,8 @@ over its rows; FSDP averages gradients over ranks, hence the factor ``world_size
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -35,7 +35,7 @@ from opentinker.engine.backend.base import (
     ForwardOutput,
     WeightBucket,
     adamw_for,
-    clip_gradients,
+    clipped_adamw_step,
     loss_without_gradients,
 )
 from opentinker.engine.backend.forward import ResponseScorer, pad_to, scorer_for
@@ -181,17 +181,16 @@ class FSDPRank:
 
     def optim_step(self, params: AdamParams) -> dict[str, float]:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw_for(self.optimizer, parameters, params)
-        grad_norm = clip_gradients(parameters, params.grad_clip)
-        finite = math.isfinite(grad_norm)
-        if finite:
-            self._move_optimizer_state(self.device)
-            self.optimizer.step()
-            self.step += 1
-            if self.options.optimizer_offload:  # Adam's moments wait in host memory until the next step
-                self._move_optimizer_state(torch.device("cpu"))
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
+        self.optimizer, metrics = clipped_adamw_step(self.optimizer, parameters, params, self._optimizer_on_device)
+        self.step += not metrics["skipped_nonfinite"]
+        return metrics
+
+    @contextlib.contextmanager
+    def _optimizer_on_device(self):
+        self._move_optimizer_state(self.device)
+        yield
+        if self.options.optimizer_offload:  # Adam's moments wait in host memory until the next step
+            self._move_optimizer_state(torch.device("cpu"))
 
     def _move_optimizer_state(self, device: torch.device) -> None:
         if self.optimizer is None or device.type == "cpu" and self.device.type == "cpu":
@@ -241,8 +240,8 @@ class FSDPRank:
         extra = torch.load(Path(path) / f"rank{self.rank}.pt", weights_only=False)
         if not extra["has_optimizer"]:
             self.optimizer = None  # saved before the first step: so it is again
-        elif self.optimizer is None:
-            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=0.0)
+        elif self.optimizer is None:  # a fresh optimizer's state, for dcp to load into
+            self.optimizer = adamw_for(None, [p for p in self.model.parameters() if p.requires_grad], AdamParams(0.0))
         optimizers = [self.optimizer] if self.optimizer else []
         model_state, optim_state = get_state_dict(self.model, optimizers)
         state = {"model": model_state, "optimizer": optim_state}

@@ -17,8 +17,11 @@ from opentinker.engine.backend.base import (
     ForwardBackwardOutput,
     ForwardOutput,
     WeightBucket,
+    adamw_from_state,
     clipped_adamw_step,
     loss_without_gradients,
+    read_state_file,
+    write_state_file,
 )
 from opentinker.engine.backend.forward import scorer_for
 from opentinker.engine.backend.lora import LoraSettings, add_adapters, merge_plan, merged_state_dict, merged_tensor
@@ -26,8 +29,6 @@ from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighte
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing
 from opentinker.engine.weight_buckets import bucketed
-
-STATE_FILE = "backend_state.pt"
 
 
 class LocalBackend:
@@ -128,33 +129,20 @@ class LocalBackend:
 
     def save_state(self, path: str | Path) -> Path:
         """Weights (with LoRA: the adapters), optimizer, RNG and step in ``path/backend_state.pt``."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {
-                "model": self._trained_state(),
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-                "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "step": self.step,
-            },
-            path / STATE_FILE,
-        )
-        return path
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return write_state_file(path, self._trained_state(), self.optimizer, torch.get_rng_state(), self.step, cuda_rng)
 
     def load_state(self, path: str | Path, *, with_optimizer: bool = True) -> None:
         """Everything :meth:`save_state` wrote; ``with_optimizer=False`` keeps only the weights
         (and step) and starts the optimizer afresh."""
-        state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=False)
+        state = read_state_file(path, map_location=self.device)
         missing, unexpected = self.model.load_state_dict(state["model"], strict=not self.lora)
         if unexpected or (self.lora and set(state["model"]) != set(self._trained_state())):
             raise ValueError(f"{path}: the saved state does not fit this model (unexpected: {unexpected[:3]})")
-        if state["optimizer"] is None or not with_optimizer:
-            self.optimizer = None  # saved before the first step (or not wanted): made at the next
-        else:
-            if self.optimizer is None:
-                self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=0.0)
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer = None  # saved before the first step (or not wanted): made at the next
+        if state["optimizer"] is not None and with_optimizer:
+            self.optimizer = adamw_from_state([p for p in self.model.parameters() if p.requires_grad],
+                                              state["optimizer"])
         torch.set_rng_state(state["rng"].cpu())
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

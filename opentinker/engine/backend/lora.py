@@ -9,6 +9,8 @@ alone is exported too (``adapter/``, loadable with ``peft``).
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,12 +37,23 @@ class LoraSettings:
                           bias="none", task_type="CAUSAL_LM", modules_to_save=list(self.modules_to_save) or None)
 
 
+@contextlib.contextmanager
+def tied_unembed_allowed():
+    """peft warns when a LoRA target (``lm_head``, Tinker's ``train_unembed``) shares its weight
+    with the input embedding. Wanted here: the adapter changes the output projection only, and
+    it is never merged into the shared weight (samplers apply it per row, exports carry it as
+    an adapter)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
+        yield
+
+
 def add_adapters(model, settings: LoraSettings):
     """``model`` wrapped by peft with fresh adapters (the base weights frozen), initialised
     from ``settings.seed`` whatever the global RNG holds."""
     from peft import get_peft_model
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), tied_unembed_allowed():
         torch.manual_seed(settings.seed)
         return get_peft_model(model, settings.peft_config())
 

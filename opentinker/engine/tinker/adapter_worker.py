@@ -39,10 +39,9 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend.base import clipped_adamw_step
+from opentinker.engine.backend.base import adamw_from_state, clipped_adamw_step, read_state_file, write_state_file
 from opentinker.engine.backend.forward import ResponseScorer
-from opentinker.engine.backend.local import STATE_FILE
-from opentinker.engine.backend.lora import ADAPTER, LoraSettings
+from opentinker.engine.backend.lora import ADAPTER, LoraSettings, tied_unembed_allowed
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
@@ -194,7 +193,7 @@ class AdapterWorker:
         """Fresh LoRA weights for ``adapter`` in the shared model, from its seed (the same
         values peft gives a model of its own with that seed)."""
         config = adapter.settings.peft_config()
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), tied_unembed_allowed():
             torch.manual_seed(adapter.settings.seed)
             if self.model is None:
                 from peft import get_peft_model
@@ -268,8 +267,7 @@ class AdapterWorker:
                 grad = state["grads"].get(name)
                 parameter.grad = None if grad is None else grad.to(parameter.device)
         if state["optimizer"] is not None:
-            adapter.optimizer = torch.optim.AdamW(adapter.parameters(), lr=0.0)
-            adapter.optimizer.load_state_dict(state["optimizer"])
+            adapter.optimizer = adamw_from_state(adapter.parameters(), state["optimizer"])
         adapter.offloaded.unlink(missing_ok=True)
         adapter.offloaded = None
 
@@ -438,17 +436,13 @@ class AdapterWorker:
         adapter = self._adapter(model_id)
         if self.rank:  # every rank holds the same adapter and optimizer state: rank 0 writes it
             return
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
         weights = {name: p.detach().cpu() for name, p in adapter.named}
-        torch.save({"model": _strip_names(weights, adapter.name),
-                    "optimizer": None if adapter.optimizer is None else adapter.optimizer.state_dict(),
-                    "rng": adapter.rng, "cuda_rng": None, "step": adapter.step}, folder / STATE_FILE)
+        write_state_file(path, _strip_names(weights, adapter.name), adapter.optimizer, adapter.rng, adapter.step)
 
     def load_state(self, model_id: str, path: str, with_optimizer: bool = True) -> None:
         self._use([model_id])
         adapter = self._adapter(model_id)
-        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+        state = read_state_file(path)
         weights = _named_for(state["model"], adapter.name)
         named = dict(adapter.named)
         if set(weights) != set(named):
@@ -462,8 +456,7 @@ class AdapterWorker:
                 parameter.grad = None
         adapter.optimizer = None
         if with_optimizer and state["optimizer"] is not None:
-            adapter.optimizer = torch.optim.AdamW(list(named.values()), lr=0.0)
-            adapter.optimizer.load_state_dict(state["optimizer"])
+            adapter.optimizer = adamw_from_state(list(named.values()), state["optimizer"])
         if state.get("rng") is not None:
             adapter.rng = state["rng"]
         adapter.step = int(state["step"])

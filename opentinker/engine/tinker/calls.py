@@ -13,11 +13,13 @@ if TYPE_CHECKING:
     from opentinker.engine.backend import BackendSpec
     from opentinker.engine.backend.lora import LoraSettings
 
-__all__ = ["ATTENTION_MODULES", "MLP_MODULES", "ForwardBackwardCall", "ModelSpec"]
+__all__ = ["ATTENTION_MODULES", "MLP_MODULES", "UNEMBED_MODULES", "ForwardBackwardCall", "ModelSpec"]
 
-#: LoRA targets per Tinker's ``train_attn`` / ``train_mlp`` switches (Llama/Qwen module names).
+#: LoRA targets per Tinker's ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches
+#: (Llama/Qwen module names).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class ModelSpec:
     lora_alpha: int = 32
     train_attn: bool = True
     train_mlp: bool = True
+    # An adapter on the output projection only: with tied embeddings the input embedding stays
+    # the base's (the adapter is never merged into the shared weight).
+    train_unembed: bool = True
     seed: int = 0
     trust_remote_code: bool = False
     strategy: str = "local"
@@ -37,9 +42,11 @@ class ModelSpec:
     ranks: int = 1
 
     def target_modules(self) -> str:
-        modules = (ATTENTION_MODULES if self.train_attn else ()) + (MLP_MODULES if self.train_mlp else ())
+        modules = ((ATTENTION_MODULES if self.train_attn else ()) + (MLP_MODULES if self.train_mlp else ())
+                   + (UNEMBED_MODULES if self.train_unembed else ()))
         if not modules:
-            raise ValueError("lora_config: train_attn and train_mlp are both false, so there is nothing to train")
+            raise ValueError("lora_config: train_attn, train_mlp and train_unembed are all false, so there is "
+                             "nothing to train")
         return ",".join(modules)
 
     def lora_settings(self) -> LoraSettings | None:

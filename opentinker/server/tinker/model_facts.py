@@ -33,8 +33,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 class ModelFacts:
     context: int | None  # max_position_embeddings (tokens), None: unknown
     weight_bytes: int | None  # size of the weight files, None: unknown
-    # LoRA parameters per unit of rank with every linear layer of every block adapted (an
-    # upper bound for fewer targets), None: unknown
+    # LoRA parameters per unit of rank with every linear layer of every block and the
+    # unembedding adapted (an upper bound for fewer targets), None: unknown
     lora_params_per_rank: int | None = None
     hidden_size: int | None = None  # the model's width: every adapted layer has it on one side
 
@@ -42,7 +42,7 @@ class ModelFacts:
 def model_folder(model: ServedModel) -> Path | None:
     """Where a served model's files are on this machine (None: not here, or not yet)."""
     if model.path is None:
-        from opentinker.engine.tiny import tiny_model_dir  # no torch: only where the cache puts it
+        from opentinker.tiny import tiny_model_dir  # no torch: the shipped folder
 
         return tiny_model_dir()
     local = Path(os.path.expanduser(model.path))
@@ -67,7 +67,7 @@ def _context(config: dict) -> int | None:
 
 def _lora_params_per_rank(config: dict) -> int | None:
     """sum(d_in + d_out) over a Llama/Qwen-style block's q, k, v, o, gate, up, down, times the
-    number of blocks."""
+    number of blocks, plus the unembedding's (``train_unembed``: hidden size + vocabulary)."""
     config = config.get("text_config") or config
     try:
         hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
@@ -75,10 +75,11 @@ def _lora_params_per_rank(config: dict) -> int | None:
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         kv = int(config.get("num_key_value_heads") or heads) * head_dim
+        vocab = int(config["vocab_size"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     attention = 2 * (hidden + heads * head_dim) + 2 * (hidden + kv)
-    return layers * (attention + 3 * (hidden + inner))
+    return layers * (attention + 3 * (hidden + inner)) + hidden + vocab
 
 
 def _hidden_size(config: dict) -> int | None:

@@ -92,4 +92,5 @@ async def weights_info(body: schemas.WeightsInfo, user: User = Depends(tinker_us
     spec = model.spec
     return {"base_model": model.base_model, "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None,
             "train_attn": spec.get("train_attn"), "train_mlp": spec.get("train_mlp"),
-            "train_unembed": spec.get("train_unembed"), "optimizer_config": {"type": "adamw"}}
+            "train_unembed": bool(spec.get("train_unembed")) and bool(spec.get("adapts_unembed")),
+            "optimizer_config": {"type": "adamw"}}

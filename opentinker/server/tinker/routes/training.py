@@ -39,9 +39,12 @@ def _worker_spec(svc: TinkerService, model: Any, lora: dict[str, Any]):
     from opentinker.engine.tinker.calls import ModelSpec
 
     host = svc.settings.host
+    # Specs recorded before train_unembed took effect lack "adapts_unembed": their models (and
+    # checkpoints) have no adapter on the unembedding, and a model loaded from one must match.
+    unembed = bool(lora.get("train_unembed", True)) and bool(lora.get("adapts_unembed", False))
     return ModelSpec(model_path=model.path, lora_rank=int(lora.get("lora_rank", 0)), seed=int(lora.get("seed", 0)),
                      train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
-                     trust_remote_code=model.trust_remote_code, strategy=host.strategy, device=host.device,
+                     train_unembed=unembed, trust_remote_code=model.trust_remote_code, strategy=host.strategy, device=host.device,
                      ranks=host.ranks)
 
 
@@ -100,7 +103,7 @@ async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_us
     lora = body.lora_config
     spec = {"lora_rank": 0} if lora is None else {
         "lora_rank": lora.rank, "seed": lora.seed or 0, "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
-        "train_unembed": lora.train_unembed}
+        "train_unembed": lora.train_unembed, "adapts_unembed": True}
     spec["named_as"] = body.base_model  # get_info gives the client's own name back (the SDK's get_tokenizer)
     try:
         return _start_model(svc, user, body.session_id, body.model_seq_id, body.base_model, spec,
