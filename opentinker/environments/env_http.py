@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from opentinker.environments.env_replies import join_url
 from opentinker.environments.transport import MAX_ANSWER_BYTES, Answer, BadAnswer, NoAnswer
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "BadAnswer", "DirectTransport", "NoAnswer", "new_session", "request"]
@@ -67,10 +68,6 @@ async def request(session: aiohttp.ClientSession, method: str, url: str, timeout
         raise NoAnswer(f"{type(exc).__name__}: {exc or 'connection failed'}") from exc
     except aiohttp.ClientError as exc:
         raise BadAnswer(f"{type(exc).__name__}: {exc}") from exc
-
-
-def _join(base: str, path: str) -> str:
-    return base.rstrip("/") + "/" + path.lstrip("/")
 
 
 class _DirectSession:
@@ -137,10 +134,10 @@ class DirectTransport:
         return self._sockets if sockets else self._session
 
     async def request(self, method: str, base: str, path: str, timeout_s: float, body: Any = None) -> Answer:
-        return await request(await self._current(), method, _join(base, path), timeout_s, body)
+        return await request(await self._current(), method, join_url(base, path), timeout_s, body)
 
     async def open_session(self, base: str, path: str, timeout_s: float) -> _DirectSession:
-        url = "ws" + _join(base, path)[len("http"):]  # http -> ws, https -> wss
+        url = "ws" + join_url(base, path)[len("http"):]  # http -> ws, https -> wss
         session = await self._current(sockets=True)
         try:
             socket = await asyncio.wait_for(session.ws_connect(

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,7 @@ from tenacity import (
 )
 
 from opentinker.environments.endpoints import EndpointPolicy, normalise_endpoint
+from opentinker.environments.env_replies import UNAVAILABLE_STATUSES, bounded, join_url, reply_problem, reply_shape
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
     TRUNCATED,
@@ -68,18 +68,11 @@ from opentinker.environments.templates import checked_template as _checked_templ
 from opentinker.environments.transport import BadAnswer, NoAnswer
 
 if TYPE_CHECKING:
-    from opentinker.environments.transport import Answer, EnvTransport
+    from opentinker.environments.transport import EnvTransport
 
 __all__ = ["GymEnvironmentInteraction", "RoutedEnvServers", "check_endpoint", "env_route", "shard_urls"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_ERROR_CHARS = 300  # of an env's {"error": ...} text quoted in an EnvironmentServerError
-_MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
-
-
-def _join(base: str, path: str) -> str:
-    return base.rstrip("/") + "/" + path.lstrip("/")
 
 
 def _check_shard_count(count: int, max_shards: int | None) -> None:
@@ -167,7 +160,7 @@ def env_route(config: dict[str, Any], context: InteractionContext, *, timeout_s:
 
 async def probe_health(transport: EnvTransport, base: str, timeout_s: float) -> None:
     """``GET {base}/health`` over ``transport``: EnvironmentServerError naming the URL unless it answers 2xx."""
-    health = _join(transport.describe(base), "health")
+    health = join_url(transport.describe(base), "health")
     try:
         answer = await transport.request("GET", base, "health", timeout_s)
     except (NoAnswer, BadAnswer, ValueError) as exc:
@@ -177,48 +170,7 @@ async def probe_health(transport: EnvTransport, base: str, timeout_s: float) -> 
         ) from exc
     if not 200 <= answer.status < 300:
         raise EnvironmentServerError(health, f"health check answered HTTP {answer.status}",
-                                     unreachable=answer.status in _UNAVAILABLE_STATUSES)
-
-
-def _bounded(config: dict[str, Any], key: str, default: float, low: float, high: float, *,
-             integer: bool, above_low: bool = False) -> Any:
-    """``config[key]`` (``default`` when missing or null) checked to lie within [low, high]."""
-    value = config.get(key)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key} must be a number, got {type(value).__name__}")
-    if integer:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{key} must be a whole number, got {value!r}")
-        value = int(value)
-    else:
-        value = float(value)
-    in_range = (value > low if above_low else value >= low) and value <= high  # False for NaN
-    if not in_range:
-        raise ValueError(f"{key} must be {'>' if above_low else '>='} {low:g} and <= {high:g}, got {value!r}")
-    return value
-
-
-def _reply_shape(answer: Answer) -> str:
-    """Content type and size of an answer: what an error may say about a body it does not quote."""
-    media_type = answer.content_type.split(";")[0].strip()
-    shown = media_type if _MEDIA_TYPE.fullmatch(media_type) else "unknown content type"
-    return f"{shown}, {len(answer.body)} bytes"
-
-
-def _reply_problem(answer: Answer) -> str:
-    """``HTTP <status>`` plus the env protocol's ``{"error": ...}`` text, or else only the answer's shape."""
-    try:
-        data = answer.json()
-    except ValueError:
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), str):
-        message = data["error"]
-        if len(message) > _MAX_ERROR_CHARS:
-            message = message[:_MAX_ERROR_CHARS] + "..."
-        return f"HTTP {answer.status}: {message}"
-    return f"HTTP {answer.status} ({_reply_shape(answer)})"
+                                     unreachable=answer.status in UNAVAILABLE_STATUSES)
 
 
 @dataclass
@@ -236,11 +188,6 @@ class _Retryable(Exception):
     def __init__(self, message: str, unreachable: bool):
         super().__init__(message)
         self.unreachable = unreachable
-
-
-#: Answers that say "not here right now" (a proxy without its backend, a server starting or
-#: draining) rather than "my code failed": the env is unreachable, as when nothing listens.
-_UNAVAILABLE_STATUSES = (502, 503, 504)
 
 
 class RoutedEnvServers:
@@ -304,12 +251,12 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         super().__init__(config)
         context = context or InteractionContext()
         cfg = self.config
-        self.max_steps: int = _bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
+        self.max_steps: int = bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
         self.observation_template = _checked_template(cfg.get("observation_template", "{observation}"))
-        self.timeout_s: float = _bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
-        self.retries: int = _bounded(cfg, "retries", 2, 0, 10, integer=True)
-        self.backoff_s: float = _bounded(cfg, "backoff_s", 0.2, 0, 30, integer=False)
-        self.max_connections: int = _bounded(cfg, "max_connections", 256, 1, 1024, integer=True)
+        self.timeout_s: float = bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
+        self.retries: int = bounded(cfg, "retries", 2, 0, 10, integer=True)
+        self.backoff_s: float = bounded(cfg, "backoff_s", 0.2, 0, 30, integer=False)
+        self.max_connections: int = bounded(cfg, "max_connections", 256, 1, 1024, integer=True)
         env_kwargs = cfg.get("env_kwargs") or {}
         if not isinstance(env_kwargs, dict):
             raise ValueError(f"env_kwargs must be a dict, got {type(env_kwargs).__name__}")
@@ -349,7 +296,7 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         return self.timeout_s * (self.retries + 1) + self.backoff_s * (2 ** self.retries - 1) + 1.0
 
     async def _request_once(self, base: str, path: str, body: dict[str, Any]) -> Any:
-        url = _join(self._transport.describe(base), path)
+        url = join_url(self._transport.describe(base), path)
         try:
             answer = await self._transport.request("POST", base, path, self.timeout_s, body)
         except NoAnswer as exc:
@@ -357,18 +304,18 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         except (BadAnswer, ValueError) as exc:
             raise EnvironmentServerError(url, str(exc)) from exc
         if answer.status >= 500:
-            raise _Retryable(_reply_problem(answer), answer.status in _UNAVAILABLE_STATUSES)
+            raise _Retryable(reply_problem(answer), answer.status in UNAVAILABLE_STATUSES)
         if 300 <= answer.status < 400:
             raise EnvironmentServerError(url, f"HTTP {answer.status}: redirects are not followed")
         if answer.status >= 400:
-            raise EnvironmentServerError(url, _reply_problem(answer))
+            raise EnvironmentServerError(url, reply_problem(answer))
         try:
             return answer.json()
         except ValueError as exc:
-            raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(answer)})") from exc
+            raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc
 
     async def _post(self, base: str, path: str, body: dict[str, Any], retries: int | None = None) -> Any:
-        url = _join(self._transport.describe(base), path)
+        url = join_url(self._transport.describe(base), path)
         retries = self.retries if retries is None else retries
 
         def log_retry(state: RetryCallState) -> None:
@@ -404,7 +351,7 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         body["instance_id"] = instance_id
         try:
             data = await self._post(base, "reset", body)
-            observation = self._parse_reset(_join(self._transport.describe(base), "reset"), data)
+            observation = self._parse_reset(join_url(self._transport.describe(base), "reset"), data)
         except BaseException:
             self._rewards.pop(instance_id, None)
             raise
@@ -448,7 +395,7 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         if state.job_id is not None:
             body["job_id"] = state.job_id
         data = await self._post(state.url, "step", body)
-        url = _join(self._transport.describe(state.url), "step")
+        url = join_url(self._transport.describe(state.url), "step")
         observation, reward, done, info = self._parse_step(url, data)
         state.steps += 1
         self._record_reward(instance_id, reward)  # calculate_score: the sum of the step rewards

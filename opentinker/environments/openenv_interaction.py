@@ -47,16 +47,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opentinker.environments.gym_interaction import (
-    RoutedEnvServers,
-    _MAX_ERROR_CHARS,
-    _UNAVAILABLE_STATUSES,
-    _bounded,
-    _join,
-    _reply_problem,
-    _reply_shape,
-    env_route,
+from opentinker.environments.env_replies import (
+    MAX_ERROR_CHARS, UNAVAILABLE_STATUSES, bounded, join_url, reply_problem, reply_shape,
 )
+from opentinker.environments.gym_interaction import RoutedEnvServers, env_route
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
     TRUNCATED,
@@ -129,7 +123,7 @@ def _fields(value: Any, key: str) -> dict[str, Any]:
 
 
 def _clip(text: str) -> str:
-    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
 def _error_text(data: Any) -> str:
@@ -192,12 +186,12 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         super().__init__(config)
         context = context or InteractionContext()
         cfg = self.config
-        self.max_steps: int = _bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
-        self.timeout_s: float = _bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
-        self.retries: int = _bounded(cfg, "retries", 2, 0, 10, integer=True)
-        self.backoff_s: float = _bounded(cfg, "backoff_s", 0.2, 0, 30, integer=False)
-        self.max_connections: int = _bounded(cfg, "max_connections", 256, 1, 1024, integer=True)
-        self.capacity_wait_s: float = _bounded(cfg, "capacity_wait_s", 300.0, 0, 3600, integer=False)
+        self.max_steps: int = bounded(cfg, "max_steps", 20, 1, 1000, integer=True)
+        self.timeout_s: float = bounded(cfg, "timeout_s", 30.0, 0, 300, integer=False, above_low=True)
+        self.retries: int = bounded(cfg, "retries", 2, 0, 10, integer=True)
+        self.backoff_s: float = bounded(cfg, "backoff_s", 0.2, 0, 30, integer=False)
+        self.max_connections: int = bounded(cfg, "max_connections", 256, 1, 1024, integer=True)
+        self.capacity_wait_s: float = bounded(cfg, "capacity_wait_s", 300.0, 0, 3600, integer=False)
         self.action_field = _field_name(cfg.get("action_field"), "action_field")
         self.observation_field = _field_name(cfg.get("observation_field"), "observation_field")
         self.action_extra = _fields(cfg.get("action_extra"), "action_extra")
@@ -243,7 +237,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
     # -- /schema -----------------------------------------------------------------------
 
     async def _fetch_schema(self, base: str, timeout_s: float, retries: int) -> Any:
-        url = _join(self._transport.describe(base), "schema")
+        url = join_url(self._transport.describe(base), "schema")
         for attempt in range(retries + 1):
             tries = f" (after {attempt + 1} attempts)" if attempt else ""
             try:
@@ -256,16 +250,16 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
                                              unreachable=True) from exc
             except (BadAnswer, ValueError) as exc:
                 raise EnvironmentServerError(url, str(exc)) from exc
-            if answer.status in _UNAVAILABLE_STATUSES and attempt < retries:
+            if answer.status in UNAVAILABLE_STATUSES and attempt < retries:
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
                 continue
             if not 200 <= answer.status < 300:
-                raise EnvironmentServerError(url, f"{_reply_problem(answer)}{tries}; is it an OpenEnv server?",
-                                             unreachable=answer.status in _UNAVAILABLE_STATUSES)
+                raise EnvironmentServerError(url, f"{reply_problem(answer)}{tries}; is it an OpenEnv server?",
+                                             unreachable=answer.status in UNAVAILABLE_STATUSES)
             try:
                 return answer.json()
             except ValueError as exc:
-                raise EnvironmentServerError(url, f"invalid JSON in answer ({_reply_shape(answer)})") from exc
+                raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def _plan_from(self, schema: Any) -> _Plan:
@@ -289,7 +283,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
                 try:
                     plan = self._plan_from(schema)
                 except ValueError as exc:
-                    raise EnvironmentServerError(_join(self._transport.describe(base), "schema"), str(exc)) from exc
+                    raise EnvironmentServerError(join_url(self._transport.describe(base), "schema"), str(exc)) from exc
                 self._plans[base] = plan
         return plan
 
@@ -306,47 +300,13 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
             except EnvironmentServerError as exc:
                 return str(exc) if include_unreachable or not exc.unreachable else None
             except ValueError as exc:
-                return f"{_join(self._transport.describe(base), 'schema')}: {exc}"
+                return f"{join_url(self._transport.describe(base), 'schema')}: {exc}"
             return None
 
         problems = await asyncio.gather(*(one(base) for base in self.shards))
         return [problem for problem in problems if problem]
 
     # -- replies -----------------------------------------------------------------------
-
-    @staticmethod
-    def _observation_data(url: str, reply: Any, what: str) -> dict[str, Any]:
-        """The data of an observation message, or EnvironmentServerError (the env's own error)."""
-        error = error_of(reply)
-        if error is not None:
-            raise EnvironmentServerError(url, f"{what} answered {_error_text(error)}")
-        if not isinstance(reply, dict):
-            raise EnvironmentServerError(url, f"{what}: expected a JSON object, got {type(reply).__name__}")
-        kind = reply.get("type")
-        data = reply.get("data")
-        if kind != "observation" or not isinstance(data, dict):
-            shown = repr(kind[:40]) if isinstance(kind, str) else type(kind).__name__
-            raise EnvironmentServerError(url, f"{what}: expected an observation message, got type {shown}")
-        if not isinstance(data.get("observation"), dict):
-            raise EnvironmentServerError(url, f"{what}: the observation message has no 'observation' object")
-        return data
-
-    @staticmethod
-    def _reward_done(url: str, data: dict[str, Any]) -> tuple[float, bool]:
-        reward = data.get("reward")
-        if reward is None:
-            reward = 0.0
-        if isinstance(reward, bool):
-            reward = float(reward)
-        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise EnvironmentServerError(url, f"step: 'reward' must be a finite number or null, got "
-                                              f"{type(reward).__name__ if not isinstance(reward, float) else reward}")
-        done = data.get("done")
-        if done is None:
-            done = False
-        if not isinstance(done, bool):
-            raise EnvironmentServerError(url, f"step: 'done' must be a boolean, got {type(done).__name__}")
-        return float(reward), done
 
     # -- the interaction API -------------------------------------------------------------
 
@@ -364,7 +324,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
                 data.pop("seed", None)
             data["episode_id"] = instance_id
             reply = await self.sessions.open(episode, {"type": "reset", "data": data})
-            observation = self._observation_data(url, reply, "reset")["observation"]
+            observation = observation_data(url, reply, "reset")["observation"]
             episode.observation = InitialObservation(observation_text(observation, episode.plan.observation_field))
         except BaseException:
             if self._episodes.get(instance_id) is episode:
@@ -409,8 +369,8 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         except BadAnswer as exc:
             await self.sessions.release(episode)
             raise EnvironmentServerError(url, f"step {step}: {exc}") from exc
-        data = self._observation_data(url, reply, f"step {step}")
-        reward, done = self._reward_done(url, data)
+        data = observation_data(url, reply, f"step {step}")
+        reward, done = reward_and_done(url, data)
         episode.steps = step
         self._record_reward(instance_id, reward)  # calculate_score: the sum of the step rewards
         info: dict[str, Any] = {"step": step}
@@ -458,3 +418,37 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
     def open_sessions(self) -> int:
         """Sessions this interaction holds open now (for tests and stats)."""
         return sum(1 for episode in self._episodes.values() if episode.session is not None)
+
+
+def observation_data(url: str, reply: Any, what: str) -> dict[str, Any]:
+    """The data of an observation message, or EnvironmentServerError (the env's own error)."""
+    error = error_of(reply)
+    if error is not None:
+        raise EnvironmentServerError(url, f"{what} answered {_error_text(error)}")
+    if not isinstance(reply, dict):
+        raise EnvironmentServerError(url, f"{what}: expected a JSON object, got {type(reply).__name__}")
+    kind = reply.get("type")
+    data = reply.get("data")
+    if kind != "observation" or not isinstance(data, dict):
+        shown = repr(kind[:40]) if isinstance(kind, str) else type(kind).__name__
+        raise EnvironmentServerError(url, f"{what}: expected an observation message, got type {shown}")
+    if not isinstance(data.get("observation"), dict):
+        raise EnvironmentServerError(url, f"{what}: the observation message has no 'observation' object")
+    return data
+
+def reward_and_done(url: str, data: dict[str, Any]) -> tuple[float, bool]:
+    """A step's ``reward`` (a finite number; null: 0) and ``done`` (a boolean; null: false)."""
+    reward = data.get("reward")
+    if reward is None:
+        reward = 0.0
+    if isinstance(reward, bool):
+        reward = float(reward)
+    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EnvironmentServerError(url, f"step: 'reward' must be a finite number or null, got "
+                                          f"{type(reward).__name__ if not isinstance(reward, float) else reward}")
+    done = data.get("done")
+    if done is None:
+        done = False
+    if not isinstance(done, bool):
+        raise EnvironmentServerError(url, f"step: 'done' must be a boolean, got {type(done).__name__}")
+    return float(reward), done

@@ -19,7 +19,7 @@ import random
 from collections import deque
 from typing import Any, Protocol
 
-from opentinker.environments.gym_interaction import _join
+from opentinker.environments.env_replies import join_url
 from opentinker.environments.interaction import EnvironmentServerError
 from opentinker.environments.transport import BadAnswer, EnvSession, EnvTransport, NoAnswer
 
@@ -132,7 +132,7 @@ class SessionOpener:
         self.capacity_refusals = 0
 
     def ws_url(self, base: str) -> str:
-        return _join(self.transport.describe(base), "ws")
+        return join_url(self.transport.describe(base), "ws")
 
     # -- per event loop state ----------------------------------------------------------
 

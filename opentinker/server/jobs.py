@@ -34,15 +34,8 @@ import contextlib
 import importlib
 import logging
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +43,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from opentinker.protocol import JobStatus
+from opentinker.server.ray_cluster import RayCluster
+from opentinker.server.redaction import Redaction
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
 
@@ -77,23 +72,6 @@ def actor_name(job_id: str) -> str:
 def _load_default_runner() -> type:
     module_name, _, attribute = DEFAULT_RUNNER.rpartition(".")
     return getattr(importlib.import_module(module_name), attribute)
-
-
-@contextlib.contextmanager
-def _keep_signal_handlers() -> Iterator[None]:
-    """Undo the SIGTERM/SIGINT handlers ray.init installs: they exit the process at once,
-    skipping uvicorn's graceful shutdown (and with it our lifespan, which kills the
-    job actors and closes the store)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
 
 
 def _ref_future(ref: Any) -> asyncio.Future:
@@ -165,35 +143,6 @@ def normalize_events(raw: Any) -> list[dict[str, Any]]:
     return events
 
 
-@contextlib.contextmanager
-def _ray_on_loopback(enabled: bool) -> Iterator[None]:
-    """Make a local Ray started now listen on 127.0.0.1 only.
-
-    Ray binds its gRPC servers to every interface unless its node IP is 127.0.0.1, and it
-    turns an explicit 127.0.0.1 into the machine's reachable address; only its
-    single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read through
-    ``ray_constants.ENABLE_RAY_CLUSTER``) keeps the loopback address. Seen with Ray 2.60:
-    gcs_server, raylet and workers then listen on [::ffff:127.0.0.1] only.
-    """
-    if not enabled:
-        yield
-        return
-    from ray._private import ray_constants
-
-    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes Ray starts
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-        if saved_env is None:
-            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
-        else:
-            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
-
-
 @dataclass
 class _ActiveJob:
     job_id: str
@@ -223,66 +172,21 @@ class JobManager:
         self._runner_cls = runner_cls
         self._remote_cls: Any = None
         self._active: dict[str, _ActiveJob] = {}
-        self._owns_ray = False
         self._started = False
-        self._reaper: subprocess.Popen | None = None
         self._scheduling = asyncio.Lock()
         self._background: set[asyncio.Task] = set()  # scheduling passes (held: the loop keeps only weak refs)
         # Job actors live in this server's own namespace, so that servers sharing a Ray
         # cluster never see (or sweep) each other's actors.
         self.namespace = f"{RAY_NAMESPACE}-{store.server_id()[:12]}"
-        # What redact() replaces, longest first (a model folder may sit in the data folder).
-        paths = {str(settings.data_dir.resolve()): "<data dir>", str(settings.data_dir): "<data dir>"}
-        for model in settings.job_policy.models:
-            if model.path and os.path.isabs(os.path.expanduser(model.path)):
-                paths[os.path.expanduser(model.path).rstrip("/")] = f"<model {model.name}>"
-        self._private_paths = sorted(paths.items(), key=lambda item: -len(item[0]))
+        self.cluster = RayCluster(settings, self.namespace, leftover_prefix=actor_name(""))
+        self.redaction = Redaction(settings)  # server folders out of what users read
 
     # lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect to Ray (or start a local one). If this process already has Ray up (an
-        embedding application, the tests), it is used as is and left running at shutdown.
-
-        A local Ray listens on loopback only (unless ``ray_all_interfaces``) and a watchdog
-        process stops it if this server dies without shutting down. On an existing cluster
-        (``ray_address``), job actors a previous server process left behind are killed."""
-        if ray.is_initialized():
-            self._owns_ray = False
-        else:
-            local = not self.settings.ray_address
-            kwargs: dict[str, Any] = dict(
-                address=self.settings.ray_address or None,
-                include_dashboard=False,
-                ignore_reinit_error=True,
-                log_to_driver=False,
-            )
-            if local and self.settings.ray_num_cpus is not None:
-                kwargs["num_cpus"] = self.settings.ray_num_cpus
-            with _keep_signal_handlers(), _ray_on_loopback(local and not self.settings.ray_all_interfaces):
-                ray.init(**kwargs)
-            self._owns_ray = True
-            if local:
-                self._reaper = start_reaper()
-            else:
-                self._kill_leftover_actors()
+        """Connect to Ray (:meth:`RayCluster.connect`); jobs may start from then on."""
+        self.cluster.connect()
         self._started = True
-        log.info("ray: %s", ray.get_runtime_context().gcs_address)
-
-    def _kill_leftover_actors(self) -> None:
-        """Job actors of a previous process of this server (same store) on a shared cluster:
-        their jobs are marked interrupted at startup, so nothing would ever watch them."""
-        try:
-            names = ray.util.list_named_actors(all_namespaces=True)
-        except Exception:  # an old cluster without the API: nothing to sweep
-            log.exception("could not list the cluster's named actors")
-            return
-        for entry in names:
-            name, namespace = entry.get("name", ""), entry.get("namespace")
-            if namespace == self.namespace and name.startswith(actor_name("")):
-                with contextlib.suppress(Exception):
-                    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-                    log.warning("killed %s, left running by a previous server process", name)
 
     async def shutdown(self) -> None:
         """Stop watching and kill every job's actor. Their store status is left as is: the
@@ -297,13 +201,9 @@ class JobManager:
             if job.task is not None:
                 with contextlib.suppress(BaseException):
                     await job.task
-            self._kill(job)
+            _kill(job)
         self._active.clear()
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
-        if self._reaper is not None:
-            stop_reaper(self._reaper)
-            self._reaper = None
+        self.cluster.disconnect()
 
     # jobs ----------------------------------------------------------------------------
 
@@ -322,35 +222,6 @@ class JobManager:
 
     def is_active(self, job_id: str) -> bool:
         return job_id in self._active
-
-    def placement_problem(self, cfg: Any) -> str | None:
-        """Why the Ray cluster could never place the job's FSDP ranks (one GPU each, or one
-        CPU each on CPU; with trainer.nnodes > 1, n_gpus_per_node on each of that many nodes),
-        or None. Checked against the cluster's total, not what is free now: a job that must
-        wait for other jobs to end is fine, one that can never start is not."""
-        if cfg.actor_rollout_ref.actor.strategy != "fsdp":
-            return None
-        ranks = int(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
-        total = ray.cluster_resources()
-        gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and total.get("GPU", 0) > 0)
-        resource = "GPU" if gpu else "CPU"
-        have = total.get(resource, 0)
-        if have < ranks:
-            return (f"actor_rollout_ref.actor.strategy=fsdp with trainer.nnodes x trainer.n_gpus_per_node = {ranks} "
-                    f"ranks needs {ranks} {resource} in this server's Ray cluster, which has {have:g}")
-        nodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
-        if nodes > 1:  # the ranks go n_gpus_per_node on each of nnodes distinct nodes (backend/fsdp.py)
-            fit = sum(1 for node in ray.nodes() if node.get("Alive") and all(
-                node.get("Resources", {}).get(key, 0) >= per_node for key in {resource, "CPU"}))
-            if fit < nodes:
-                return (f"trainer.nnodes={nodes} spreads the FSDP ranks over {nodes} distinct nodes, {per_node} on "
-                        f"each, which needs {nodes} nodes with {per_node} {resource} each in this server's Ray "
-                        f"cluster; it has {fit}")
-        return None
-
-    def has_gpus(self) -> bool:
-        """Whether this server's Ray cluster has GPUs (what ``trainer.device=auto`` picks)."""
-        return ray.cluster_resources().get("GPU", 0) > 0
 
     def running_count(self, user_id: int) -> int:
         return sum(1 for job in self._active.values() if job.user_id == user_id)
@@ -408,7 +279,7 @@ class JobManager:
                                   error=self.redact(f"could not start the job's runner: {exc}"))
             return
         if self.store.get_job(job.job_id).status is not JobStatus.QUEUED:  # cancelled meanwhile
-            self._kill(active)
+            _kill(active)
             del self._active[job.job_id]
             return
         active.task = asyncio.get_running_loop().create_task(self._supervise(active), name=f"job-{job.job_id}")
@@ -499,7 +370,7 @@ class JobManager:
             return
         for event in events:
             if event["type"] == "error":
-                event["data"] = self._published_error(active.job_id, event["data"])
+                event["data"] = self.redaction.published_error(active.job_id, event["data"])
         self.store.append_runner_events(active.job_id, events)
         for event in events:
             step = event["data"].get("step")
@@ -561,49 +432,19 @@ class JobManager:
                     run.cancel()
             if active.kill_task is not None and active.kill_task is not asyncio.current_task():
                 active.kill_task.cancel()
-            self._kill(active)
+            _kill(active)
             self.store.publish_status(job_id)  # a cancel's final event, after the runner's last events
             if self._active.get(job_id) is active:
                 del self._active[job_id]
             if self._started:  # a slot is free: start the next queued job
                 self._schedule_soon()
 
-    def _published_error(self, job_id: str, data: dict[str, Any]) -> dict[str, Any]:
-        """An error event as users see it: its message (server paths replaced) and an id to
-        quote. Its trace goes to this server's log under that id, never to the store."""
-        trace = data.pop("traceback", None)
-        error_id = str(data.get("error_id") or uuid.uuid4().hex[:12])
-        message = self.redact(str(data.get("message") or "the job's runner reported an error"))
-        log.error("job %s: error %s: %s%s", job_id, error_id, message, f"\n{trace}" if trace else "")
-        return {**data, "message": message, "error_id": error_id}
-
     def redact(self, text: str) -> str:
-        """``text`` without this server's folders: the data folder and served models' paths
-        (exception messages name them; where things live on the server is the operator's business)."""
-        for path, label in self._private_paths:
-            text = text.replace(path, label)
-        return text
+        return self.redaction.redact(text)
 
     def _finish(self, job_id: str, result: Any) -> None:
-        if not isinstance(result, dict):
-            self.store.set_status(job_id, JobStatus.FAILED, error=f"the runner's run() returned {result!r}, not a dict")
-            return
-        try:
-            status = JobStatus(result.get("status"))
-        except ValueError:
-            status = JobStatus.FAILED
-            result = {**result, "error": f"the runner's run() returned unknown status {result.get('status')!r}"}
-        if not status.finished or status is JobStatus.INTERRUPTED:
-            status = JobStatus.FAILED
-            result = {**result, "error": f"the runner's run() returned non-final status {result.get('status')!r}"}
-        step = result.get("step")
-        error = result.get("error")
-        self.store.set_status(
-            job_id,
-            status,
-            error=self.redact(str(error)) if error else None,
-            step=step if isinstance(step, int) else None,
-        )
+        status, error, step = final_status(result)
+        self.store.set_status(job_id, status, error=self.redact(error) if error else None, step=step)
 
     async def _kill_after_grace(self, active: _ActiveJob) -> None:
         task = active.task
@@ -615,29 +456,26 @@ class JobManager:
             log.warning("job %s: the runner did not stop within %ss of the cancel; killing it", active.job_id, grace)
             task.cancel()
 
-    def _kill(self, active: _ActiveJob) -> None:
-        if active.actor is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(active.actor, no_restart=True)
 
 
-def start_reaper() -> subprocess.Popen | None:
-    """Start the watchdog that stops this process's Ray if the process dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return subprocess.Popen(
-        [sys.executable, "-m", "opentinker.server.reaper", str(os.getpid())],
-        stdin=subprocess.PIPE,
-        start_new_session=True,  # a signal to the server's process group spares the watchdog
-    )
-
-
-def stop_reaper(reaper: subprocess.Popen) -> None:
-    """Close the watchdog's pipe (it then stops whatever of Ray is left) and wait for it."""
-    with contextlib.suppress(Exception):
-        assert reaper.stdin is not None
-        reaper.stdin.close()
+def final_status(result: Any) -> tuple[JobStatus, str | None, int | None]:
+    """A runner's ``run()`` answer as the job's final (status, error, step); one that breaks
+    the contract (not a dict, an unknown or non-final status) is a failure saying so."""
+    if not isinstance(result, dict):
+        return JobStatus.FAILED, f"the runner's run() returned {result!r}, not a dict", None
     try:
-        reaper.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        reaper.kill()
+        status = JobStatus(result.get("status"))
+    except ValueError:
+        status = JobStatus.FAILED
+        result = {**result, "error": f"the runner's run() returned unknown status {result.get('status')!r}"}
+    if not status.finished or status is JobStatus.INTERRUPTED:
+        status = JobStatus.FAILED
+        result = {**result, "error": f"the runner's run() returned non-final status {result.get('status')!r}"}
+    step, error = result.get("step"), result.get("error")
+    return status, str(error) if error else None, step if isinstance(step, int) else None
+
+
+def _kill(active: _ActiveJob) -> None:
+    if active.actor is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(active.actor, no_restart=True)

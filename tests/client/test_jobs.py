@@ -19,6 +19,7 @@ from opentinker.client import (
     RateLimitError,
     UnsafeArchiveError,
 )
+from opentinker.client import event_stream
 from opentinker.client import JobHandle, OpenTinkerClient
 from opentinker.client.jobs import extract_tar_safely
 from opentinker.protocol import CheckpointInfo, JobCreate, JobStatus
@@ -45,7 +46,7 @@ def test_sse_stream_handles_comments_multiline_data_and_cut_events():
     )
     with OpenTinkerClient("http://opentinker.test", "k") as client:
         client._http = httpx.Client(transport=transport)
-        events = list(JobHandle(client, "j")._connect(0, read_timeout=5))
+        events = list(event_stream._connect(JobHandle(client, "j"), 0, read_timeout=5))
     assert [e.model_dump() for e in events] == [event]  # the last event never got its blank line
 
 

@@ -16,7 +16,9 @@ from opentinker.server.tinker.routes import training
 from opentinker.engine.tinker.calls import ForwardBackwardCall, ModelSpec
 from opentinker.recipe import RecipeSpec
 spec = ModelSpec(None, lora_rank=4, train_mlp=False)
-assert spec.target_modules() == "q_proj,k_proj,v_proj,o_proj"
+assert spec.target_modules() == "q_proj,k_proj,v_proj,o_proj,lm_head"  # train_unembed: the SDK's default
+assert ModelSpec(None, lora_rank=4, train_attn=False, train_unembed=False).target_modules() == (
+    "gate_proj,up_proj,down_proj")
 ForwardBackwardCall("m", [], "cross_entropy")
 RecipeSpec.build({"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}, mode="client")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "peft", "vllm"))

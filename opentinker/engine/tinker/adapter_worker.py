@@ -27,21 +27,20 @@ mixed-adapter forward requires; gradients flow all the same.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opentinker.engine.backend.base import adamw_from_state, clipped_adamw_step, read_state_file, write_state_file
+from opentinker.engine.backend.base import clipped_adamw_step
 from opentinker.engine.backend.forward import ResponseScorer
-from opentinker.engine.backend.lora import ADAPTER, LoraSettings, tied_unembed_allowed
+from opentinker.engine.backend.lora import LoraSettings, tied_unembed_allowed
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
@@ -49,7 +48,9 @@ from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.calls import ForwardBackwardCall
 from opentinker.engine.tinker.datums import datum_limits, per_datum, token_batch
 from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
-from opentinker.engine.tinker.row_adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from opentinker.engine.tinker.adapter_state import (
+    Adapter, offload, read_adapter_state, reload, write_adapter_state, write_sampler_adapter,
+)
 
 log = logging.getLogger("opentinker.engine.tinker")
 
@@ -61,7 +62,7 @@ class _Prepared:
 
     index: int  # in the cycle's list of calls
     call: ForwardBackwardCall
-    adapter: "_Adapter"
+    adapter: "Adapter"
     batch: TokenBatch
     loss: Any  # LossSpec
     config: dict[str, Any]
@@ -72,21 +73,6 @@ class _Prepared:
         if len(rows) == len(self.rows):
             return self
         return _Prepared(self.index, self.call, self.adapter, self.batch.select(rows), self.loss, self.config, rows)
-
-
-@dataclass
-class _Adapter:
-    model_id: str
-    name: str  # the peft adapter's name in the shared model
-    settings: LoraSettings
-    optimizer: torch.optim.AdamW | None = None
-    step: int = 0
-    rng: torch.Tensor | None = None  # this model's own RNG state (saved with its checkpoints)
-    offloaded: Path | None = None  # where its state waits while not resident
-    named: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)  # its tensors while attached
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for _, p in self.named]
 
 
 class AdapterWorker:
@@ -120,7 +106,7 @@ class AdapterWorker:
         # Rows are scored as padded rows: prefix sharing and packing would mix rows of
         # different adapters.
         self.scorer = ResponseScorer(pad, self.device, use_remove_padding=False, share_prompt_prefix=False)
-        self.adapters: dict[str, _Adapter] = {}
+        self.adapters: dict[str, Adapter] = {}
         self.max_resident = max_resident
         self.limits = limits or PassLimits()  # what one pass may cost (padded tokens, attention cells)
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
@@ -173,7 +159,7 @@ class AdapterWorker:
         if model_id in self.adapters:
             raise ValueError(f"model {model_id} is already here")
         self._names += 1
-        adapter = _Adapter(model_id, f"model{self._names}", settings,
+        adapter = Adapter(model_id, f"model{self._names}", settings,
                            rng=torch.Generator().manual_seed(settings.seed).get_state())
         self._attach(adapter)
         self.adapters[model_id] = adapter
@@ -189,7 +175,7 @@ class AdapterWorker:
         else:
             self._detach(adapter)
 
-    def _attach(self, adapter: _Adapter) -> None:
+    def _attach(self, adapter: Adapter) -> None:
         """Fresh LoRA weights for ``adapter`` in the shared model, from its seed (the same
         values peft gives a model of its own with that seed)."""
         config = adapter.settings.peft_config()
@@ -207,7 +193,7 @@ class AdapterWorker:
         self._resident[adapter.model_id] = None
         self._freeze_all(adapter)
 
-    def _detach(self, adapter: _Adapter) -> None:
+    def _detach(self, adapter: Adapter) -> None:
         with warnings.catch_warnings():  # "Adapter model1 was active which is now deleted": no adapter is
             warnings.simplefilter("ignore")  # active here, each row names its own
             self.model.delete_adapter(adapter.name)
@@ -216,7 +202,7 @@ class AdapterWorker:
         self._resident.pop(adapter.model_id, None)
         self._freeze_all()
 
-    def _freeze_all(self, *more: _Adapter) -> None:
+    def _freeze_all(self, *more: Adapter) -> None:
         """After peft added or deleted an adapter: it sets ``requires_grad`` of the others by
         its own "active adapter" (``delete_adapter`` calls ``set_adapter``, which freezes every
         adapter but one). Between passes every adapter rests frozen; :meth:`_trainable` sets
@@ -225,7 +211,7 @@ class AdapterWorker:
             for parameter in adapter.parameters():  # none while offloaded
                 parameter.requires_grad_(False)
 
-    def _adapter(self, model_id: str) -> _Adapter:
+    def _adapter(self, model_id: str) -> Adapter:
         adapter = self.adapters.get(model_id)
         if adapter is None:
             raise KeyError(f"model {model_id} is not on this worker")
@@ -248,28 +234,13 @@ class AdapterWorker:
             if model_id not in model_ids:
                 self._offload(self.adapters[model_id])
 
-    def _offload(self, adapter: _Adapter) -> None:
-        named = adapter.named
-        state = {"params": {name: p.detach().cpu() for name, p in named},
-                 "grads": {name: p.grad.cpu() for name, p in named if p.grad is not None},
-                 "optimizer": None if adapter.optimizer is None else adapter.optimizer.state_dict()}
-        target = self._offload_dir / f"{adapter.name}.pt"
-        torch.save(_strip_names(state, adapter.name), target)
+    def _offload(self, adapter: Adapter) -> None:
+        offload(adapter, self._offload_dir / f"{adapter.name}.pt")
         self._detach(adapter)
-        adapter.offloaded = target
 
-    def _reload(self, adapter: _Adapter) -> None:
-        state = _named_for(torch.load(adapter.offloaded, map_location="cpu", weights_only=True), adapter.name)
+    def _reload(self, adapter: Adapter) -> None:
         self._attach(adapter)
-        with torch.no_grad():
-            for name, parameter in adapter.named:
-                parameter.copy_(state["params"][name])
-                grad = state["grads"].get(name)
-                parameter.grad = None if grad is None else grad.to(parameter.device)
-        if state["optimizer"] is not None:
-            adapter.optimizer = adamw_from_state(adapter.parameters(), state["optimizer"])
-        adapter.offloaded.unlink(missing_ok=True)
-        adapter.offloaded = None
+        reload(adapter)
 
     # -- training -----------------------------------------------------------------------
     def forward_backward(self, calls: Sequence[ForwardBackwardCall]) -> list[dict[str, Any]]:
@@ -291,7 +262,7 @@ class AdapterWorker:
                 continue
             prepared.append(_Prepared(index, call, adapter, batch, loss, config, list(range(len(batch)))))
         pieces: dict[int, list[tuple[list[int], dict[str, Any]]]] = {item.index: [] for item in prepared}
-        for group in self._passes(prepared):
+        for group in plan_passes(prepared, self.max_resident, self.limits):
             try:
                 for index, rows, outcome in self._run_pass(group):
                     pieces[index].append((rows, outcome))
@@ -310,31 +281,6 @@ class AdapterWorker:
             if results[index] is None:
                 results[index] = {"result": join_pieces(parts, keep_rows=self.world_size > 1)}
         return results  # type: ignore[return-value]
-
-    def _passes(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
-        """The cycle's rows in passes: its calls in groups of at most ``max_resident`` models,
-        and each group's rows, longest first, cut to fit :attr:`limits` (a piece of a call per
-        pass it has rows in)."""
-        groups: list[list[_Prepared]] = []
-        models: set[str] = set()
-        for item in prepared:
-            if not groups or (self.max_resident is not None and item.call.model_id not in models
-                              and len(models) >= self.max_resident):
-                groups.append([])
-                models = set()
-            groups[-1].append(item)
-            models.add(item.call.model_id)
-        passes = []
-        for group in groups:
-            rows = [(item, row) for item in group for row in item.rows]
-            lengths = [len(item.batch.prompt_ids[row]) + len(item.batch.response_ids[row]) for item, row in rows]
-            for cut in cut_rows(lengths, self.limits):
-                chosen: dict[int, list[int]] = {}
-                for position in cut:
-                    item, row = rows[position]
-                    chosen.setdefault(id(item), []).append(row)
-                passes.append([item.piece(sorted(chosen[id(item)])) for item in group if id(item) in chosen])
-        return passes
 
     def _run_pass(self, group: list[_Prepared]) -> list[tuple[int, list[int], dict[str, Any]]]:
         """One pass over ``group``'s pieces; ``(call index, its rows, outcome)`` per piece
@@ -359,29 +305,8 @@ class AdapterWorker:
             logprobs, entropy = self.scorer(model, combined, 1.0, any(needs_entropy.values()),
                                             entropy_grad=any(needs_entropy.values()))
             self.passes += 1
-            count, longest = len(combined), max(len(p) + len(r) for p, r in zip(combined.prompt_ids,
-                                                                                 combined.response_ids))
-            self.largest_pass = tuple(map(max, self.largest_pass, (count * longest, count * longest * longest)))
-            total = None
-            outcomes = []
-            start = 0
-            for item, part, rows in parts:
-                end, width = start + len(part), part.response_width
-                if rows:  # not a filler row
-                    part_logprobs = logprobs[start:end, :width]
-                    part_entropy = entropy[start:end, :width] if needs_entropy[id(item)] else None
-                    if item.call.forward_only:
-                        with torch.no_grad():
-                            out = weighted_loss(item.loss, item.config, part_logprobs.detach(),
-                                                None if part_entropy is None else part_entropy.detach(), part,
-                                                self.device)
-                    else:
-                        out = weighted_loss(item.loss, item.config, part_logprobs, part_entropy, part, self.device)
-                        total = out.loss if total is None else total + out.loss
-                    outcomes.append((item.index, rows, {
-                        "outputs": per_datum(part, logprobs=part_logprobs.detach(), elementwise_loss=out.elementwise),
-                        "metrics": out.metrics}))
-                start = end
+            self.largest_pass = tuple(map(max, self.largest_pass, _pass_cost(combined)))
+            total, outcomes = _piece_losses(parts, logprobs, entropy, needs_entropy, self.device)
             if train:
                 if self.world_size > 1:
                     # Every rank runs the backward (FSDP gathers the base's shards in it), also one
@@ -392,7 +317,7 @@ class AdapterWorker:
         return outcomes
 
     @contextlib.contextmanager
-    def _trainable(self, adapters: Sequence[_Adapter]):
+    def _trainable(self, adapters: Sequence[Adapter]):
         """Exactly ``adapters`` take gradients for the pass: the worker, not peft's "active
         adapter", decides (peft's ``add_adapter`` / ``delete_adapter`` switch ``requires_grad``
         of adapters they did not touch). Every adapter rests frozen between passes."""
@@ -425,62 +350,25 @@ class AdapterWorker:
         adapter.step += not metrics["skipped_nonfinite"]
         return tinker_step_metrics(metrics)
 
-    def _reduce_gradients(self, adapter: _Adapter) -> None:
+    def _reduce_gradients(self, adapter: Adapter) -> None:
         """Here: nothing (one process holds every row's gradient); ranks sum theirs."""
 
     # -- state ----------------------------------------------------------------------------
     def save_state(self, model_id: str, path: str) -> None:
-        """The adapter, optimizer, RNG and step in ``LocalBackend``'s checkpoint format (a
-        model of its own with the same LoRA loads it, and the other way round)."""
+        """The adapter, optimizer, RNG and step in the backends' state file (a model of its own
+        with the same LoRA loads it, and the other way round)."""
         self._use([model_id])
-        adapter = self._adapter(model_id)
-        if self.rank:  # every rank holds the same adapter and optimizer state: rank 0 writes it
-            return
-        weights = {name: p.detach().cpu() for name, p in adapter.named}
-        write_state_file(path, _strip_names(weights, adapter.name), adapter.optimizer, adapter.rng, adapter.step)
+        if not self.rank:  # every rank holds the same adapter and optimizer state: rank 0 writes it
+            write_adapter_state(self._adapter(model_id), path)
 
     def load_state(self, model_id: str, path: str, with_optimizer: bool = True) -> None:
         self._use([model_id])
-        adapter = self._adapter(model_id)
-        state = read_state_file(path)
-        weights = _named_for(state["model"], adapter.name)
-        named = dict(adapter.named)
-        if set(weights) != set(named):
-            raise ValueError(f"{path}: the saved state does not fit this model (a different LoRA rank or targets)")
-        with torch.no_grad():
-            for name, parameter in named.items():
-                if parameter.shape != weights[name].shape:
-                    raise ValueError(f"{path}: {name} has shape {tuple(weights[name].shape)}, this model's "
-                                     f"{tuple(parameter.shape)}")
-                parameter.copy_(weights[name])
-                parameter.grad = None
-        adapter.optimizer = None
-        if with_optimizer and state["optimizer"] is not None:
-            adapter.optimizer = adamw_from_state(list(named.values()), state["optimizer"])
-        if state.get("rng") is not None:
-            adapter.rng = state["rng"]
-        adapter.step = int(state["step"])
+        read_adapter_state(self._adapter(model_id), path, with_optimizer)
 
     def save_sampler_weights(self, model_id: str, path: str) -> int | None:
-        """The adapter alone as a peft folder (``adapter_model.safetensors`` and
-        ``adapter_config.json``); returns its size in bytes."""
-        from safetensors.torch import save_file
-
+        """The adapter alone as a peft folder; its size in bytes (None on ranks but 0)."""
         self._use([model_id])
-        adapter = self._adapter(model_id)
-        if self.rank:
-            return None
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        marker = f".{adapter.name}."
-        tensors = {name.replace(marker, "."): p.detach().cpu().contiguous()
-                   for name, p in adapter.named}
-        save_file(tensors, folder / ADAPTER_WEIGHTS_FILE)
-        config = adapter.settings.peft_config().to_dict()
-        config["target_modules"] = sorted(config["target_modules"]) if isinstance(
-            config["target_modules"], (set, list)) else config["target_modules"]
-        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, default=str, indent=1))
-        return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        return None if self.rank else write_sampler_adapter(self._adapter(model_id), path)
 
     def close(self) -> None:
         for adapter in self.adapters.values():
@@ -499,16 +387,61 @@ def _error(error: BaseException) -> dict[str, Any]:
     return {"error": f"{type(error).__name__}: {error}", "category": "server"}
 
 
-def _strip_names(state: Any, name: str) -> Any:
-    """Tensor names of adapter ``name`` as a model of its own names them (peft's ``default``)."""
-    if isinstance(state, dict):
-        return {(key.replace(f".{name}.", f".{ADAPTER}.") if isinstance(key, str) else key): _strip_names(value, name)
-                for key, value in state.items()}
-    return state
+def plan_passes(prepared: list[_Prepared], max_resident: int | None, limits: PassLimits) -> list[list[_Prepared]]:
+    """The cycle's rows in passes: its calls in groups of at most ``max_resident`` models,
+    and each group's rows, longest first, cut to fit ``limits`` (a piece of a call per
+    pass it has rows in)."""
+    groups: list[list[_Prepared]] = []
+    models: set[str] = set()
+    for item in prepared:
+        if not groups or (max_resident is not None and item.call.model_id not in models
+                          and len(models) >= max_resident):
+            groups.append([])
+            models = set()
+        groups[-1].append(item)
+        models.add(item.call.model_id)
+    passes = []
+    for group in groups:
+        rows = [(item, row) for item in group for row in item.rows]
+        lengths = [len(item.batch.prompt_ids[row]) + len(item.batch.response_ids[row]) for item, row in rows]
+        for cut in cut_rows(lengths, limits):
+            chosen: dict[int, list[int]] = {}
+            for position in cut:
+                item, row = rows[position]
+                chosen.setdefault(id(item), []).append(row)
+            passes.append([item.piece(sorted(chosen[id(item)])) for item in group if id(item) in chosen])
+    return passes
 
 
-def _named_for(state: Any, name: str) -> Any:
-    if isinstance(state, dict):
-        return {(key.replace(f".{ADAPTER}.", f".{name}.") if isinstance(key, str) else key): _named_for(value, name)
-                for key, value in state.items()}
-    return state
+def _piece_losses(parts: list[tuple[_Prepared, TokenBatch, list[int]]], logprobs: torch.Tensor,
+                  entropy: torch.Tensor | None, needs_entropy: dict[int, bool], device: torch.device):
+    """Each piece's loss from the pass's logprobs (its rows, in order): the summed training
+    loss (None: no training row) and ``(call index, rows, outcome)`` per piece that is not a
+    filler row."""
+    total = None
+    outcomes = []
+    start = 0
+    for item, part, rows in parts:
+        end, width = start + len(part), part.response_width
+        if rows:  # not a filler row
+            part_logprobs = logprobs[start:end, :width]
+            part_entropy = entropy[start:end, :width] if needs_entropy[id(item)] else None
+            if item.call.forward_only:
+                with torch.no_grad():
+                    out = weighted_loss(item.loss, item.config, part_logprobs.detach(),
+                                        None if part_entropy is None else part_entropy.detach(), part, device)
+            else:
+                out = weighted_loss(item.loss, item.config, part_logprobs, part_entropy, part, device)
+                total = out.loss if total is None else total + out.loss
+            outcomes.append((item.index, rows, {
+                "outputs": per_datum(part, logprobs=part_logprobs.detach(), elementwise_loss=out.elementwise),
+                "metrics": out.metrics}))
+        start = end
+    return total, outcomes
+
+
+def _pass_cost(combined: TokenBatch) -> tuple[int, int]:
+    """A pass's padded tokens and attention cells."""
+    count = len(combined)
+    longest = max(len(p) + len(r) for p, r in zip(combined.prompt_ids, combined.response_ids))
+    return count * longest, count * longest * longest

@@ -32,7 +32,8 @@ from opentinker.engine.backend.fsdp import build_sharded_model, join_process_gro
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.placement import PLACEMENT_TIMEOUT_S
-from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Adapter, _Prepared
+from opentinker.engine.tinker.adapter_state import Adapter
+from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall, _Prepared
 from opentinker.engine.tinker.pass_plan import PassLimits, join_pieces
 
 log = logging.getLogger("opentinker.engine.tinker")
@@ -75,7 +76,7 @@ class AdapterRank(AdapterWorker):
         item = next((item for item in group if not item.call.forward_only), group[0]) if train else group[0]
         return [(item, item.batch.select([0]), [])]
 
-    def _reduce_gradients(self, adapter: _Adapter) -> None:
+    def _reduce_gradients(self, adapter: Adapter) -> None:
         """Each rank holds the gradient of its own rows: the sum over ranks is the model's. A
         tensor no rank has a gradient for stays without one (AdamW then leaves it alone)."""
         import torch.distributed as dist

@@ -125,12 +125,12 @@ async def create_job(
     try:
         cfg = policy.client_config(body.config)
         # The typed recipe's rules that depend on the job (its mode) and on this server (its GPUs).
-        RecipeSpec.from_config(cfg, mode=body.mode, gpus=manager.has_gpus())
+        RecipeSpec.from_config(cfg, mode=body.mode, gpus=manager.cluster.has_gpus())
     except PolicyError as exc:
         raise ApiError(400, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
         raise ApiError(400, str(exc), {"field": f"config.{exc.key}" if exc.key else "config"}) from exc
-    placement = manager.placement_problem(cfg)
+    placement = manager.cluster.placement_problem(cfg)
     if placement:
         raise ApiError(400, placement, {"field": "config.trainer.n_gpus_per_node"})
     # In a thread: checking an endpoint on the server's own port may wait for a DNS lookup.
