@@ -82,11 +82,7 @@ class RLTrainer:
         self.cfg = cfg
         torch.manual_seed(cfg.trainer.seed)
         self.interactions = dict(interactions or {})
-        if train_rows is None or (reward_fn is None and not self.interactions):
-            task_train, task_val, task_reward = builtin_task(cfg.data.task, val_count=cfg.data.val_batch_size)
-            train_rows = task_train if train_rows is None else train_rows
-            val_rows = task_val if val_rows is None else val_rows
-            reward_fn = reward_fn or task_reward
+        train_rows, val_rows, reward_fn = _task_defaults(cfg, train_rows, val_rows, reward_fn, bool(self.interactions))
         self.reward_fn = reward_fn
         self.reward_scorer = None if reward_fn is None else DeadlineScorer(reward_fn, cfg.reward_model.timeout_s)
 
@@ -96,8 +92,7 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(self.model_path, ar.model.trust_remote_code)
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
         self._load_prompts(train_rows, val_rows)
-        # Set by whoever drives the trainer (the job runner: warning events; cancel raises):
-        # a step waiting out an env outage warns and checks for a cancel while it waits.
+        # Set by the driver (the job runner: warning events; a cancel raises) for env outage waits.
         self.on_warning: Callable[[str], None] = _print_warning
         self.check_cancelled: Callable[[], None] = lambda: None
         self._startup_warnings: list[str] = []  # found while building, said at the first step
@@ -340,6 +335,18 @@ class RLTrainer:
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.update.close()
+
+
+def _task_defaults(cfg: RecipeSpec, train_rows: Sequence[dict] | None, val_rows: Sequence[dict] | None,
+                   reward_fn: RewardFn | None, has_interactions: bool):
+    """The rows and reward of ``data.task`` wherever the caller gave none (an env's interactions
+    score instead of a reward function)."""
+    if train_rows is None or (reward_fn is None and not has_interactions):
+        task_train, task_val, task_reward = builtin_task(cfg.data.task, val_count=cfg.data.val_batch_size)
+        train_rows = task_train if train_rows is None else train_rows
+        val_rows = task_val if val_rows is None else val_rows
+        reward_fn = reward_fn or task_reward
+    return train_rows, val_rows, reward_fn
 
 
 def _print_warning(message: str) -> None:

@@ -58,15 +58,7 @@ def rollout_correction(
             values = torch.exp(sequence_log_ratio)[rows]  # ... or sequences
         else:
             raise ValueError(f"rollout_is must be 'token', 'sequence' or None, got {rollout_is!r}")
-        if values.numel():
-            metrics.update({
-                "rollout_corr/rollout_is_mean": float(values.mean()),
-                "rollout_corr/rollout_is_std": float(values.std(unbiased=False)),
-                "rollout_corr/rollout_is_min": float(values.min()),
-                "rollout_corr/rollout_is_max": float(values.max()),
-                "rollout_corr/rollout_is_eff_sample_size": float(values.mean() ** 2 / (values ** 2).mean()),
-                "rollout_corr/rollout_is_ratio_fraction_high": float((values > is_threshold).double().mean()),
-            })
+        metrics.update(_is_weight_stats(values, is_threshold))
         is_weights = (raw.clamp(max=is_threshold) * mask).to(old_logprobs.dtype)
     if rollout_rs is not None:
         if rs_upper is None:
@@ -86,3 +78,17 @@ def rollout_correction(
         if mask.sum() > 0:
             metrics["rollout_corr/rollout_rs_masked_fraction"] = float(1 - rs_mask.double().sum() / mask.sum())
     return is_weights, rs_mask, metrics
+
+
+def _is_weight_stats(values: torch.Tensor, is_threshold: float) -> dict[str, float]:
+    """The IS weights' statistics before truncation (none without a weight)."""
+    if not values.numel():
+        return {}
+    return {
+        "rollout_corr/rollout_is_mean": float(values.mean()),
+        "rollout_corr/rollout_is_std": float(values.std(unbiased=False)),
+        "rollout_corr/rollout_is_min": float(values.min()),
+        "rollout_corr/rollout_is_max": float(values.max()),
+        "rollout_corr/rollout_is_eff_sample_size": float(values.mean() ** 2 / (values ** 2).mean()),
+        "rollout_corr/rollout_is_ratio_fraction_high": float((values > is_threshold).double().mean()),
+    }
