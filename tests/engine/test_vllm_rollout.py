@@ -47,14 +47,14 @@ def trainers_use_the_module_engine(engine, tiny_model_dir, monkeypatch):
     """An RLTrainer made in the test gets the module's engine (asked for by its config) instead
     of starting one; its close() leaves the engine running, and the engine gets its original
     weights back afterwards."""
+    from opentinker.engine import trainer
     from opentinker.engine.model_loading import load_causal_lm
-    from opentinker.engine.trainer import RLTrainer
 
-    def module_engine(trainer):
-        assert trainer.cfg.actor_rollout_ref.rollout.name == "vllm"
+    def module_engine(cfg, *args):
+        assert cfg.actor_rollout_ref.rollout.name == "vllm"
         return engine
 
-    monkeypatch.setattr(RLTrainer, "_make_rollout_engine", module_engine)
+    monkeypatch.setattr(trainer, "rollout_engine", module_engine)
     monkeypatch.setattr(engine, "close", lambda: None)
     yield
     monkeypatch.undo()
