@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS tinker_models (
     session_id TEXT NOT NULL,
     user_id INTEGER NOT NULL REFERENCES users(id),
     base_model TEXT NOT NULL,
-    spec_json TEXT NOT NULL,  -- lora_rank, train_attn, train_mlp, train_unembed, seed
+    spec_json TEXT NOT NULL,  -- lora_rank, train_attn, train_mlp, train_unembed, adapts_unembed, seed
     metadata_json TEXT,
     state TEXT NOT NULL,  -- loading | ready | failed | lost | unloaded
     error TEXT,
@@ -125,6 +125,13 @@ class SamplerRow:
     session_id: str | None
     base_model: str
     model_path: str | None
+
+
+def unembed_adapted(spec: dict[str, Any]) -> bool:
+    """Whether a model recorded with ``spec`` has an adapter on its unembedding. Specs recorded
+    before ``train_unembed`` took effect lack ``adapts_unembed``: their models (and checkpoints)
+    have none, and a model loaded from one must match them."""
+    return bool(spec.get("train_unembed", True)) and bool(spec.get("adapts_unembed", False))
 
 
 def _loads(text: str | None) -> Any:

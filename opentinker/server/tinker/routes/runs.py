@@ -12,7 +12,7 @@ from opentinker.server.store import User
 from opentinker.server.tinker import schemas
 from opentinker.server.tinker.openapi import errors
 from opentinker.server.tinker.service import CHECKPOINT_KINDS, TinkerService
-from opentinker.server.tinker.state import CheckpointRow, ModelRow
+from opentinker.server.tinker.state import CheckpointRow, ModelRow, unembed_adapted
 from opentinker.server.tinker.routes.common import (
     iso,
     owned_checkpoint,
@@ -92,5 +92,5 @@ async def weights_info(body: schemas.WeightsInfo, user: User = Depends(tinker_us
     spec = model.spec
     return {"base_model": model.base_model, "is_lora": model.lora_rank > 0, "lora_rank": model.lora_rank or None,
             "train_attn": spec.get("train_attn"), "train_mlp": spec.get("train_mlp"),
-            "train_unembed": bool(spec.get("train_unembed")) and bool(spec.get("adapts_unembed")),
+            "train_unembed": unembed_adapted(spec),
             "optimizer_config": {"type": "adamw"}}

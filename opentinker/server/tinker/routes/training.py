@@ -19,7 +19,7 @@ from opentinker.server.tinker.futures import JSON, PROTOBUF
 from opentinker.server.tinker.host import UserError
 from opentinker.server.tinker.checkpoint_quota import QuotaExceeded
 from opentinker.server.tinker.service import ServerFull, TinkerService
-from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow
+from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow, unembed_adapted
 from opentinker.server.tinker.routes.common import (
     active_session,
     owned_checkpoint,
@@ -39,13 +39,10 @@ def _worker_spec(svc: TinkerService, model: Any, lora: dict[str, Any]):
     from opentinker.engine.tinker.calls import ModelSpec
 
     host = svc.settings.host
-    # Specs recorded before train_unembed took effect lack "adapts_unembed": their models (and
-    # checkpoints) have no adapter on the unembedding, and a model loaded from one must match.
-    unembed = bool(lora.get("train_unembed", True)) and bool(lora.get("adapts_unembed", False))
     return ModelSpec(model_path=model.path, lora_rank=int(lora.get("lora_rank", 0)), seed=int(lora.get("seed", 0)),
                      train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
-                     train_unembed=unembed, trust_remote_code=model.trust_remote_code, strategy=host.strategy, device=host.device,
-                     ranks=host.ranks)
+                     train_unembed=unembed_adapted(lora), trust_remote_code=model.trust_remote_code,
+                     strategy=host.strategy, device=host.device, ranks=host.ranks)
 
 
 def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: int, base_model: str,
