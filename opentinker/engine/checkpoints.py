@@ -10,10 +10,11 @@ import torch
 
 from opentinker.config import ConfigError
 
-__all__ = ["CRITIC_STATE", "LATEST_CHECKPOINT", "TRAINER_STATE", "find_checkpoint", "read_trainer_state",
+__all__ = ["ACTOR_STATE", "CRITIC_STATE", "LATEST_CHECKPOINT", "TRAINER_STATE", "find_checkpoint", "read_trainer_state",
            "write_checkpoint"]
 
 TRAINER_STATE = "trainer_state.pt"
+ACTOR_STATE = "state"  # the policy's backend state (weights, optimizer, RNG)
 CRITIC_STATE = "critic_state"  # the value model's backend state, beside the actor's "state"
 LATEST_CHECKPOINT = "latest_checkpointed_iteration.txt"  # verl's name for the same file
 
@@ -27,7 +28,7 @@ def write_checkpoint(root: Path, step: int, backend: Any, tokenizer: Any, critic
     folder."""
     folder = root / f"global_step_{step}"
     actor = backend.export_hf(folder / "actor", tokenizer)
-    backend.save_state(folder / "state")
+    backend.save_state(folder / ACTOR_STATE)
     if critic_backend is not None:
         critic_backend.save_state(folder / CRITIC_STATE)
     torch.save(trainer_state, folder / TRAINER_STATE)  # last: its presence marks a complete checkpoint

@@ -135,14 +135,6 @@ class RLTrainer:
         self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, data.max_prompt_length, "val", data_free)
         self.loader = iter(PromptLoader(self.train_prompts, data.train_batch_size, data.shuffle, data.seed))
 
-    @property
-    def ppo(self):
-        return self.update.ppo
-
-    @property
-    def critic(self):
-        return self.update.critic
-
     # -- phases --------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
         """Sample ``samples_per_prompt`` responses to each prompt and score them (the sampler's)."""
@@ -263,9 +255,8 @@ class RLTrainer:
         root = self.cfg.trainer.default_local_dir
         if not root:
             return None
-        critic = self.critic.backend if self.critic is not None else None
-        return write_checkpoint(Path(root), self.global_step, self.backend, self.tokenizer, critic,
-                                self.trainer_state())
+        return write_checkpoint(Path(root), self.global_step, self.backend, self.tokenizer,
+                                self.update.critic_backend, self.trainer_state())
 
     def trainer_state(self) -> dict[str, Any]:
         """What, besides the backends' state, a run needs to continue exactly as it would have:
@@ -283,7 +274,6 @@ class RLTrainer:
         """Continue from ``checkpoint`` (a ``global_step_<k>`` folder): the backends' state,
         the components', and the rollout engine's weights."""
         state = read_trainer_state(checkpoint)
-        self.backend.load_state(checkpoint / "state")
         self.update.load_state_dict(state, checkpoint)
         self.global_step = int(state["global_step"])
         self.skipped_steps = int(state["skipped_steps"])

@@ -11,7 +11,7 @@ from opentinker.config import ConfigError
 from opentinker.engine.advantage_stage import AdvantageStage
 from opentinker.engine.backend import TrainingBackend
 from opentinker.engine.batch import TokenBatch
-from opentinker.engine.checkpoints import CRITIC_STATE
+from opentinker.engine.checkpoints import ACTOR_STATE, CRITIC_STATE
 from opentinker.engine.correction import sampler_gap_metrics, without_rejected
 from opentinker.engine.ppo import CriticUpdate, PPOUpdate
 from opentinker.engine.step_types import Rollout, Timer
@@ -86,9 +86,14 @@ class UpdateStage:
         return {"ppo_updates": ppo["updates"], "ppo_shuffle": ppo["shuffle"],
                 "critic_updates": critic["updates"], "critic_shuffle": critic["shuffle"]}
 
+    @property
+    def critic_backend(self) -> TrainingBackend | None:
+        return None if self.critic is None else self.critic.backend
+
     def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
-        """Continue from ``state`` (:meth:`state_dict`) and, with a critic, the value model's
-        backend state in ``checkpoint``."""
+        """Continue from ``state`` (:meth:`state_dict`) and the backends' states in
+        ``checkpoint`` (the actor's; the value model's with a critic)."""
+        self.ppo.backend.load_state(checkpoint / ACTOR_STATE)
         self.ppo.load_state_dict({"updates": state["ppo_updates"], "shuffle": state["ppo_shuffle"]})
         if self.critic is None:
             return

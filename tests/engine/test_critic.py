@@ -148,8 +148,8 @@ def test_ppo_with_gae_trains_a_critic_and_resumes_it(tiny_model_dir, tmp_path):
     stopped.fit()
     resumed = RLTrainer(make_config([*overrides, "trainer.total_training_steps=3",
                                      f"trainer.resume_mode={tmp_path / 'global_step_2'}"]))
-    assert resumed.global_step == 2 and resumed.critic.updates == 2
-    torch.testing.assert_close(resumed.critic.values(batch), stopped.critic.values(batch), atol=1e-6, rtol=0)
+    assert resumed.global_step == 2 and resumed.update.critic.updates == 2
+    torch.testing.assert_close(resumed.update.critic.values(batch), stopped.update.critic.values(batch), atol=1e-6, rtol=0)
     stopped.close()
     resumed.close()
 
