@@ -107,7 +107,7 @@ def _connect(job: JobHandle, last: int, read_timeout: float) -> Iterator[Event]:
     headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
     if last:
         headers["Last-Event-ID"] = str(last)
-    with job.client.open_stream(f"{job._path}/events", headers=headers, read_timeout=read_timeout) as response:
+    with job.client.open_stream(f"{job.path}/events", headers=headers, read_timeout=read_timeout) as response:
         if response.status_code in RETRY_STATUSES:
             raise RetryableStatus(response)
         if response.is_error:

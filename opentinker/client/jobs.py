@@ -71,26 +71,27 @@ class JobHandle:
         return f"JobHandle({self.job_id!r}, server={self.client.base_url!r})"
 
     @property
-    def _path(self) -> str:
+    def path(self) -> str:
+        """The job's resource on the API (``/jobs/<id>``)."""
         return f"/jobs/{quote(self.job_id, safe='')}"
 
     # ------------------------------------------------------------------ state
 
     def info(self) -> JobInfo:
         """``GET /v1/jobs/{id}``."""
-        return JobInfo.model_validate(self.client.request_json("GET", self._path))
+        return JobInfo.model_validate(self.client.request_json("GET", self.path))
 
     def resume(self) -> JobInfo:
         """``POST /v1/jobs/{id}/resume``: continue a stopped (interrupted, failed or cancelled)
         job from its last checkpoint; :class:`ConflictError` when it has none or is not stopped."""
-        return JobInfo.model_validate(self.client.request_json("POST", f"{self._path}/resume"))
+        return JobInfo.model_validate(self.client.request_json("POST", f"{self.path}/resume"))
 
     def cancel(self) -> JobInfo:
         """``POST /v1/jobs/{id}/cancel``. Cancelling a job that already finished is not an
         error: its (final) info comes back."""
         self.stop_pushing()
         try:
-            return JobInfo.model_validate(self.client.request_json("POST", f"{self._path}/cancel"))
+            return JobInfo.model_validate(self.client.request_json("POST", f"{self.path}/cancel"))
         except ConflictError:
             info = self.info()
             if info.status.finished:
@@ -99,7 +100,7 @@ class JobHandle:
 
     def events(self, after: int | None = None) -> list[Event]:
         """Every event so far (``GET /v1/jobs/{id}/events?stream=false``), those with id > ``after``."""
-        body = self.client.request_json("GET", f"{self._path}/events", params={"stream": "false"})
+        body = self.client.request_json("GET", f"{self.path}/events", params={"stream": "false"})
         events = [Event.model_validate(e) for e in body.get("events", [])]
         return [e for e in events if after is None or e.id > after]
 
@@ -226,13 +227,13 @@ class JobHandle:
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """``GET /v1/jobs/{id}/checkpoints``, oldest first."""
-        listed = CheckpointList.model_validate(self.client.request_json("GET", f"{self._path}/checkpoints"))
+        listed = CheckpointList.model_validate(self.client.request_json("GET", f"{self.path}/checkpoints"))
         return sorted(listed.checkpoints, key=lambda c: (c.step, c.created_at))
 
     def save_checkpoint(self) -> dict[str, Any]:
         """``POST /v1/jobs/{id}/checkpoints``: ask for a checkpoint at the end of the current
         step (answered 202 at once; a checkpoint event follows on the stream)."""
-        return self.client.request_json("POST", f"{self._path}/checkpoints")
+        return self.client.request_json("POST", f"{self.path}/checkpoints")
 
     def download_checkpoint(self, name: str | None = None, dest: str | os.PathLike[str] | None = None) -> Path:
         """Download checkpoint ``name`` (None: the latest) and extract it into ``dest``
@@ -259,7 +260,7 @@ class JobHandle:
         with tempfile.TemporaryDirectory(prefix="opentinker-download-") as tmp:
             archive = Path(tmp) / "checkpoint.tar.gz"
             self._download(
-                f"{self._path}/checkpoints/{quote(name, safe='')}/download",
+                f"{self.path}/checkpoints/{quote(name, safe='')}/download",
                 archive,
                 max_bytes=_download_limit(max_members, max_bytes),
             )
@@ -324,7 +325,7 @@ class JobHandle:
         key = idempotency_key or uuid.uuid4().hex  # the same on every re-send of this step
         try:
             answer = retry_rate_limited(
-                lambda: self.client.request_json("POST", f"{self._path}/steps", json=body, idempotency_key=key),
+                lambda: self.client.request_json("POST", f"{self.path}/steps", json=body, idempotency_key=key),
                 timeout=timeout,
                 stop=stop,
             )
@@ -391,7 +392,7 @@ class _StepPusher(threading.Thread):
         self.error = exc
         # Nobody will feed the job any more: cancel it so wait() ends instead of hanging.
         try:
-            self.handle.client.request_json("POST", f"{self.handle._path}/cancel")
+            self.handle.client.request_json("POST", f"{self.handle.path}/cancel")
         except OpenTinkerError:
             pass
 
