@@ -26,8 +26,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "$XDG_CACHE_HOME/opentinker or ~/.cache/opentinker")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
-    folder = ensure_tiny_model(args.cache_dir if args.rebuild or args.base else None, warm=not args.base,
-                               progress=not args.quiet, force=args.rebuild)
+    if args.cache_dir is not None and not (args.rebuild or args.base):
+        parser.error("--cache-dir is where builds go: give it with --rebuild or --base (the warm model ships "
+                     "in the package)")
+    folder = ensure_tiny_model(args.cache_dir, warm=not args.base, progress=not args.quiet, force=args.rebuild)
     print(folder)
     print(describe(read_tiny_report(folder)))
     if args.rebuild:
