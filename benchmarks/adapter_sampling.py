@@ -22,7 +22,7 @@ import tempfile
 import numpy as np
 import torch
 
-from opentinker.engine.backend.lora import LoraSettings
+from opentinker.engine.backend.spec import BackendSpec, LoraSettings
 from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
 from opentinker.engine.tinker.model_worker import SAMPLER_WEIGHTS_FILE
 from opentinker.engine.tinker.row_adapters import LoadedAdapter
@@ -35,7 +35,7 @@ PROMPT = [5, 9, 12, 40, 41, 42, 43, 17]
 
 def snapshots(k: int, rank: int, folder: Path) -> tuple[list[str], list[str]]:
     """K trained models' adapter folders and full-weight folders."""
-    trainer = AdapterWorker(None, device="cpu")
+    trainer = AdapterWorker(BackendSpec(None, device="cpu", multi_adapter=True))
     base = {name: t.detach().clone() for name, t in trainer.base.state_dict().items()}
     adapters, fulls = [], []
     for i in range(k):

@@ -150,7 +150,7 @@ def check_update(state: dict, lora=None, check: str = "update") -> None:
 
 
 def check_lora(state: dict) -> None:
-    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.backend.spec import LoraSettings
 
     check_update(state, LoraSettings(32, 64.0, "all-linear"), check="lora")
 
@@ -209,14 +209,14 @@ def check_rollout(state: dict) -> None:
 def check_adapters(state: dict) -> None:
     import numpy as np
 
-    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.backend.spec import BackendSpec, LoraSettings
     from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
     from opentinker.engine.tinker.pass_plan import PassLimits
 
     free_memory()
     # A GPU server's --tinker-pass-tokens: 16,384 padded tokens a pass (the first cycle below is
     # one pass of 16 x 513).
-    worker = AdapterWorker(state["folder"], device="cuda", limits=PassLimits.for_tokens(16_384))
+    worker = AdapterWorker(BackendSpec(state["folder"], device="cuda", multi_adapter=True), limits=PassLimits.for_tokens(16_384))
     models = [f"user{i}" for i in range(4)]
     for i, model in enumerate(models):
         worker.add_model(model, LoraSettings(32, 64.0, "all-linear", seed=i))

@@ -230,7 +230,7 @@ def worker_memory(k: int, rank: int) -> None:
     import psutil
     import torch
 
-    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.backend.spec import BackendSpec, LoraSettings
     from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
 
     torch.set_num_threads(1)
@@ -239,7 +239,7 @@ def worker_memory(k: int, rank: int) -> None:
             "grad_clip_norm": 0.0}
     tokens = np.asarray([1 + (j * 13) % 900 for j in range(48)])
     data = [(tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(47, np.float32)})] * 4
-    worker = AdapterWorker(None, device="cpu")
+    worker = AdapterWorker(BackendSpec(None, device="cpu", multi_adapter=True))
     process = psutil.Process()
 
     def cycles(groups: list[list[str]]) -> int:

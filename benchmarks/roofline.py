@@ -192,14 +192,14 @@ def tinker_overhead(rows: int = 8, tokens: int = 64, repeats: int = 10, compare_
     from _server import ROOT, BenchServer, checkout
     from tinker import types
 
-    from opentinker.engine.backend.lora import LoraSettings
+    from opentinker.engine.backend.spec import BackendSpec, LoraSettings
     from opentinker.tiny import ensure_tiny_model
     from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
 
     token_rows = [[1 + (r * 7 + j * 13) % 900 for j in range(tokens + 1)] for r in range(rows)]
     adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
             "grad_clip_norm": 0.0}
-    worker = AdapterWorker(str(ensure_tiny_model()), device="cpu")
+    worker = AdapterWorker(BackendSpec(str(ensure_tiny_model()), device="cpu", multi_adapter=True))
     worker.add_model("m", LoraSettings(32, 32.0, "all-linear"))
     data = [(row[:-1], {"target_tokens": row[1:], "weights": [1.0] * tokens}) for row in token_rows]
 

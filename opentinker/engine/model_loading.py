@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from opentinker.engine.backend.spec import BackendSpec
 
 
 class ModelLoadError(ValueError):
@@ -32,6 +37,16 @@ def resolve_model_path(path: str | None) -> str:
     if Path(expanded).exists() and not (Path(expanded) / "config.json").exists():
         raise ModelLoadError(f"actor_rollout_ref.model.path: '{path}' has no config.json, so it is not a model folder")
     return expanded
+
+
+def resolved_spec(spec: BackendSpec) -> BackendSpec:
+    """``spec`` with its model folder resolved and, where it names none, its tokenizer's pad id:
+    what a spec built without torch (the Tinker API's) leaves to the process that loads the model."""
+    path = resolve_model_path(spec.model_path)
+    pad = spec.pad_token_id
+    if pad is None:
+        pad = load_tokenizer(path, trust_remote_code=spec.trust_remote_code).pad_token_id
+    return replace(spec, model_path=path, pad_token_id=pad)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -13,7 +13,7 @@ import torch
 from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
 from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows
 
-from .test_adapter_worker import ADAM, SETTINGS, adapter_weights, datums, train
+from .test_adapter_worker import ADAM, SETTINGS, TINY_BASE, adapter_weights, datums, train
 
 
 def step(worker: AdapterWorker, model_ids: list[str], number: int) -> dict[str, float]:
@@ -27,7 +27,7 @@ def step(worker: AdapterWorker, model_ids: list[str], number: int) -> dict[str, 
 def test_unloading_the_first_adapter_leaves_every_other_model_training_as_alone(tmp_path):
     # The audit's order: user 1 creates A (the worker's first adapter), user 2 creates B, user 1
     # creates C, then A is unloaded; later models come and go, and one is evicted to disk.
-    shared = AdapterWorker(None, device="cpu", max_resident=2, offload_dir=str(tmp_path))
+    shared = AdapterWorker(TINY_BASE, max_resident=2, offload_dir=str(tmp_path))
     for m in "abc":
         shared.add_model(m, SETTINGS[m])
     shared.remove_model("a")
@@ -40,7 +40,7 @@ def test_unloading_the_first_adapter_leaves_every_other_model_training_as_alone(
     shared.remove_model("d")
     got.append(step(shared, ["b"], 2)["b"])
 
-    alone = AdapterWorker(None, device="cpu")
+    alone = AdapterWorker(TINY_BASE)
     alone.add_model("b", SETTINGS["b"])
     expected = train(alone, ["b"], steps=3, together=False)["b"]
     assert got[0] != got[-1]  # it trains: its loss moves
@@ -48,7 +48,7 @@ def test_unloading_the_first_adapter_leaves_every_other_model_training_as_alone(
     mine, ours = adapter_weights(alone, "b"), adapter_weights(shared, "b")
     assert max(float((mine[n] - ours[n]).abs().max()) for n in ours) < 1e-6
     assert shared.adapters["b"].step == 3
-    c_alone = AdapterWorker(None, device="cpu")
+    c_alone = AdapterWorker(TINY_BASE)
     c_alone.add_model("c", SETTINGS["c"])
     step(c_alone, ["c"], 0)
     mine = adapter_weights(c_alone, "c")  # c (peft froze part of it in the audit) trained in full
@@ -56,7 +56,7 @@ def test_unloading_the_first_adapter_leaves_every_other_model_training_as_alone(
 
 
 def test_a_forward_beside_a_training_request_leaves_its_gradients_alone():
-    shared = AdapterWorker(None, device="cpu")
+    shared = AdapterWorker(TINY_BASE)
     for m in "ab":
         shared.add_model(m, SETTINGS[m])
     shared.cycle([ForwardBackwardCall("a", datums(1), "cross_entropy"),
@@ -93,7 +93,7 @@ def test_a_mixed_length_request_runs_in_bounded_passes_with_the_gradients_of_one
     # Padded as one pass: 25 rows x 121 positions. Bounded: the long row alone, the rest together.
     limits = PassLimits(tokens=128, attention=128 * 128)
     results, grads = [], []
-    for worker in (AdapterWorker(None, device="cpu"), AdapterWorker(None, device="cpu", limits=limits)):
+    for worker in (AdapterWorker(TINY_BASE), AdapterWorker(TINY_BASE, limits=limits)):
         worker.add_model("a", SETTINGS["a"])
         fb, _ = worker.cycle([ForwardBackwardCall("a", data, "cross_entropy")], [])
         results.append(fb[0]["result"])
@@ -112,7 +112,7 @@ def test_a_mixed_length_request_runs_in_bounded_passes_with_the_gradients_of_one
 def test_a_pass_that_fails_for_one_model_fails_that_request_only():
     """Model c's adapter is broken (a weight of the wrong shape: its rows fail inside the
     batched pass); b, in the same pass, trains as it does alone and the worker goes on."""
-    shared, alone = AdapterWorker(None, device="cpu"), AdapterWorker(None, device="cpu")
+    shared, alone = AdapterWorker(TINY_BASE), AdapterWorker(TINY_BASE)
     for m in "bc":
         shared.add_model(m, SETTINGS[m])
     alone.add_model("b", SETTINGS["b"])

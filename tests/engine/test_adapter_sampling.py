@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 
-from opentinker.engine.backend.lora import LoraSettings
+from opentinker.engine.backend.spec import BackendSpec, LoraSettings
 from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
 from opentinker.engine.tinker.sampler_worker import BASE, TinkerSampler
 
@@ -26,7 +26,7 @@ def datum(tokens: list[int]):
 
 
 def test_rows_of_different_adapters_decode_together_with_each_models_own_logprobs(tmp_path):
-    trainer = AdapterWorker(None, device="cpu")
+    trainer = AdapterWorker(BackendSpec(None, device="cpu", multi_adapter=True))
     folders = {}
     for name, settings in MODELS.items():
         trainer.add_model(name, settings)
@@ -73,7 +73,7 @@ def test_the_samplers_adapter_cache_is_bounded_in_bytes_and_deleted_snapshots_le
 
     from opentinker.engine.tinker.row_adapters import adapter_bytes
 
-    trainer = AdapterWorker(None, device="cpu")
+    trainer = AdapterWorker(BackendSpec(None, device="cpu", multi_adapter=True))
     trainer.add_model("a", LoraSettings(32, 64.0, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", seed=1))
     folders = []
     for index in range(6):  # a snapshot per step: each one different

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from opentinker.engine.backend.lora import LoraSettings
+from opentinker.engine.backend.spec import BackendSpec, LoraSettings
 from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwardCall
-from opentinker.engine.tinker.model_worker import ModelSpec, TinkerModelWorker
+from opentinker.engine.tinker.model_worker import TinkerModelWorker
 
 ADAM = {"learning_rate": 5e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 1.0}
+TINY_BASE = BackendSpec(None, device="cpu", multi_adapter=True)  # the embedded tiny model as a shared base
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"  # Tinker's defaults: every switch on
 
 
@@ -53,8 +54,8 @@ SETTINGS = {"a": LoraSettings(8, 32.0, ALL, seed=1), "b": LoraSettings(4, 16.0, 
 
 
 def test_one_adapter_trains_as_a_model_of_its_own():
-    own = TinkerModelWorker(ModelSpec(None, lora_rank=8, lora_alpha=32, seed=1, device="cpu"))
-    shared = AdapterWorker(None, device="cpu")
+    own = TinkerModelWorker(BackendSpec(None, lora=SETTINGS["a"], device="cpu", seed=1))  # a backend of its own
+    shared = AdapterWorker(TINY_BASE)
     shared.add_model("a", SETTINGS["a"])
     for step in range(3):
         data = datums(step)
@@ -72,7 +73,7 @@ def test_one_adapter_trains_as_a_model_of_its_own():
 
 
 def test_models_batched_together_train_as_each_alone_and_a_bad_request_fails_alone():
-    together = AdapterWorker(None, device="cpu")
+    together = AdapterWorker(TINY_BASE)
     for m, settings in SETTINGS.items():
         together.add_model(m, settings)
     passes = together.passes
@@ -80,7 +81,7 @@ def test_models_batched_together_train_as_each_alone_and_a_bad_request_fails_alo
     assert together.passes - passes == 3  # one pass per step for all three models
 
     for m, settings in SETTINGS.items():
-        alone = AdapterWorker(None, device="cpu")
+        alone = AdapterWorker(TINY_BASE)
         alone.add_model(m, settings)
         np.testing.assert_allclose(train(alone, [m], steps=3, together=False)[m], batched[m], atol=1e-5)
         mine, ours = adapter_weights(alone, m), adapter_weights(together, m)
@@ -104,8 +105,8 @@ def test_models_batched_together_train_as_each_alone_and_a_bad_request_fails_alo
 
 
 def test_eviction_to_disk_and_back_is_bit_identical(tmp_path):
-    resident = AdapterWorker(None, device="cpu")
-    evicting = AdapterWorker(None, device="cpu", max_resident=1, offload_dir=str(tmp_path))
+    resident = AdapterWorker(TINY_BASE)
+    evicting = AdapterWorker(TINY_BASE, max_resident=1, offload_dir=str(tmp_path))
     for worker in (resident, evicting):
         for m, settings in SETTINGS.items():
             worker.add_model(m, settings)
@@ -129,16 +130,17 @@ def test_eviction_to_disk_and_back_is_bit_identical(tmp_path):
 
 
 def test_checkpoints_load_into_a_model_of_the_same_lora_and_nothing_else(tmp_path):
-    shared = AdapterWorker(None, device="cpu")
+    shared = AdapterWorker(TINY_BASE)
     shared.add_model("b", SETTINGS["b"])
     train(shared, ["b"], steps=2, together=False)
     shared.save_state("b", str(tmp_path / "ckpt"))
 
-    own = TinkerModelWorker(ModelSpec(None, lora_rank=4, lora_alpha=16, seed=0, train_mlp=False, device="cpu"))
+    own = TinkerModelWorker(BackendSpec(None, lora=LoraSettings(4, 16.0, "q_proj,k_proj,v_proj,o_proj,lm_head"),
+                                        device="cpu"))
     with pytest.raises(ValueError):  # q,k,v,o against b's q,v: refused, not loaded wrongly
         own.load_state(str(tmp_path / "ckpt"), True)
 
-    again = AdapterWorker(None, device="cpu")
+    again = AdapterWorker(TINY_BASE)
     again.add_model("x", SETTINGS["b"])
     again.load_state("x", str(tmp_path / "ckpt"), True)
     assert again.adapters["x"].step == 2
@@ -166,7 +168,7 @@ def test_workers_started_by_ray_as_the_server_starts_them_compute_on_every_core(
         return torch.get_num_threads()
 
     assert ray.get(bare.remote()) == 1  # what the workers below would get on their own
-    workers = [ray.remote(AdapterWorker).options(num_cpus=0).remote(None, device="cpu"),
+    workers = [ray.remote(AdapterWorker).options(num_cpus=0).remote(TINY_BASE),
                ray.remote(TinkerSampler).options(num_cpus=0).remote(None, device="cpu"),
                ray.remote(JobRunner).options(num_cpus=0).remote("job", {"config": {}}, "/tmp/unused-job-dir")]
     try:

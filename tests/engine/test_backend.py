@@ -337,6 +337,27 @@ def test_a_backend_spec_refuses_what_no_backend_can_build(tiny_model_dir):
     assert (spec.strategy, spec.ranks, spec.lora.rank, spec.lora.seed, spec.with_reference) == ("fsdp", 4, 4, 7, True)
 
 
+def test_a_multi_adapter_spec_names_its_shared_base_and_is_not_a_backend_of_its_own():
+    from opentinker.engine.backend import BackendSpec, LoraSettings, make_backend
+    from opentinker.engine.tinker.calls import model_backend_spec
+
+    a = model_backend_spec(None, lora_rank=4, seed=1, device="cpu")
+    b = model_backend_spec(None, lora_rank=8, seed=2, train_mlp=False, device="cpu")
+    assert a.multi_adapter and a.lora != b.lora
+    assert a.shared_base() == b.shared_base() and a.shared_base().lora is None  # one worker holds both
+    assert model_backend_spec(None, lora_rank=4, device="cuda").shared_base() != a.shared_base()
+    with pytest.raises(ValueError, match="^multi_adapter: the model trains in its base's shared AdapterWorker"):
+        make_backend(a)
+    with pytest.raises(ValueError, match="^multi_adapter: a shared base trains policy adapters only"):
+        BackendSpec(None, lora=LoraSettings(4), multi_adapter=True, value_head=True)
+    with pytest.raises(ValueError, match="^shared_base: only a multi_adapter spec"):
+        BackendSpec(None).shared_base()
+    with pytest.raises(ValueError, match="^lora rank: 0"):
+        LoraSettings(0)
+    with pytest.raises(ValueError, match="^lora_config: train_attn, train_mlp and train_unembed are all false"):
+        model_backend_spec(None, lora_rank=4, train_attn=False, train_mlp=False, train_unembed=False)
+
+
 def test_forward_loss_gives_forward_backwards_outputs_and_leaves_the_gradients(make_backend, batch):
     backend = make_backend()
     _tinker_inputs(batch, backend.forward(batch).logprobs)

@@ -6,6 +6,7 @@ ones, and with adapters evicted to disk; a dead rank takes the worker down with 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from opentinker.engine.tinker.adapter_worker import AdapterWorker, ForwardBackwa
 from opentinker.engine.tinker.pass_plan import PassLimits
 
 from .test_adapter_worker import ADAM as BASE_ADAM
-from .test_adapter_worker import SETTINGS, datums
+from .test_adapter_worker import SETTINGS, TINY_BASE, datums
 
 ray = pytest.importorskip("ray")
 
@@ -82,7 +83,7 @@ def sharded_worker(ray_session, tmp_path):
 
     def make(**options):
         actor = ray.remote(ShardedAdapterWorker).options(num_cpus=0).remote(
-            None, device="cpu", ranks=2, offload_dir=str(tmp_path / f"offload{len(made)}"), **options)
+            dataclasses.replace(TINY_BASE, strategy="fsdp", ranks=2), offload_dir=str(tmp_path / f"offload{len(made)}"), **options)
         made.append(actor)
         ray.get(actor.ready.remote())
         return actor
@@ -100,7 +101,7 @@ def sharded_worker(ray_session, tmp_path):
 def test_two_ranks_give_what_one_process_gives(sharded_worker, tmp_path, max_resident, limits):
     """Also with small passes (``limits``: a request's rows sorted by length over several
     passes, each pass's rows split over the ranks) against one pass in one process."""
-    local = AdapterWorker(None, device="cpu")
+    local = AdapterWorker(TINY_BASE)
     sharded = sharded_worker(max_resident=max_resident, limits=limits)
     for m, settings in SETTINGS.items():
         local.add_model(m, settings)

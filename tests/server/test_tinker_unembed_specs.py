@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from opentinker.server.tinker.routes.training import _worker_spec
+from opentinker.server.tinker.routes.training import _backend_spec
 
 SERVICE = SimpleNamespace(settings=SimpleNamespace(host=SimpleNamespace(strategy="local", device="cpu", ranks=1)))
 TINY = SimpleNamespace(path=None, trust_remote_code=False)
 
 
 def targets(spec: dict) -> list[str]:
-    return _worker_spec(SERVICE, TINY, spec).target_modules().split(",")
+    backend = _backend_spec(SERVICE, TINY, spec)
+    assert backend.multi_adapter  # a LoRA model: one adapter of many on its base's shared worker
+    return backend.lora.target_modules.split(",")
 
 
 def test_new_models_adapt_the_unembedding_unless_asked_not_to():

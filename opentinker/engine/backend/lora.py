@@ -16,25 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from opentinker.engine.backend.spec import LoraSettings
+
 ADAPTER = "default"
 _BASE = ".base_layer."
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int
-    alpha: float = 16.0
-    target_modules: str = "all-linear"  # "all-linear" or comma-separated module names
-    seed: int = 0  # of the adapters' initial values: the same on every backend and rank
-    modules_to_save: tuple[str, ...] = ()  # modules trained whole beside the adapters (a value head)
-
-    def peft_config(self):
-        from peft import LoraConfig
-
-        targets = self.target_modules if self.target_modules == "all-linear" else [
-            name.strip() for name in self.target_modules.split(",") if name.strip()]
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
-                          bias="none", task_type="CAUSAL_LM", modules_to_save=list(self.modules_to_save) or None)
 
 
 @contextlib.contextmanager

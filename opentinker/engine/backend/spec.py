@@ -4,28 +4,58 @@
 job's config (:meth:`BackendSpec.from_config`); the Tinker worker makes one from what a client
 asked for and what the operator allows. Either way the backend sees the same fields, checked
 here once.
+
+No torch here (nor in the package's ``__init__``), so that the API process builds specs
+without importing it; the model is resolved and built where the spec is used.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
-
-from opentinker.engine.backend.lora import LoraSettings
 
 STRATEGIES = ("local", "fsdp")
 
 
 @dataclass(frozen=True)
-class BackendSpec:
-    """The model (``model_path``: a folder), how it trains (``lora``: None for full fine-tuning)
-    and where: ``strategy`` local (this process) or fsdp (``ranks`` FSDP2 ranks as Ray actors,
-    ``ranks / nodes`` on each of ``nodes`` distinct Ray nodes); ``device`` cpu | cuda | auto (the
-    ranks' own, for fsdp). The rest are the batch and memory options of
-    :class:`~opentinker.engine.backend.local.LocalBackend` and the FSDP ranks."""
+class LoraSettings:
+    """LoRA adapters on a model (:mod:`.lora` adds them with peft)."""
 
-    model_path: str
-    pad_token_id: int
+    rank: int
+    alpha: float = 16.0
+    target_modules: str = "all-linear"  # "all-linear" or comma-separated module names
+    seed: int = 0  # of the adapters' initial values: the same on every backend and rank
+    modules_to_save: tuple[str, ...] = ()  # modules trained whole beside the adapters (a value head)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora rank: {self.rank} (1 or more; no LoRA is lora=None)")
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        targets = self.target_modules if self.target_modules == "all-linear" else [
+            name.strip() for name in self.target_modules.split(",") if name.strip()]
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
+                          bias="none", task_type="CAUSAL_LM", modules_to_save=list(self.modules_to_save) or None)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """The model (``model_path``: a folder; None: the embedded tiny model), how it trains
+    (``lora``: None for full fine-tuning) and where: ``strategy`` local (this process) or fsdp
+    (``ranks`` FSDP2 ranks as Ray actors, ``ranks / nodes`` on each of ``nodes`` distinct Ray
+    nodes); ``device`` cpu | cuda | auto (the ranks' own, for fsdp).
+
+    ``multi_adapter``: the model is one LoRA adapter of many on one shared base (Tinker's LoRA
+    models): the backend holding it is its base's
+    :class:`~opentinker.engine.tinker.adapter_worker.AdapterWorker` (built from
+    :meth:`shared_base`), which trains every adapter of that base in batched passes. The rest
+    are the batch and memory options of :class:`~opentinker.engine.backend.local.LocalBackend`
+    and the FSDP ranks."""
+
+    model_path: str | None
+    pad_token_id: int | None = None  # None: the tokenizer's (resolved where the model is loaded)
     lora: LoraSettings | None = None
     strategy: str = "local"
     ranks: int = 1
@@ -39,7 +69,8 @@ class BackendSpec:
     param_offload: bool = False  # fsdp: parameters on CPU between uses
     optimizer_offload: bool = False  # fsdp: optimizer state on CPU
     value_head: bool = False  # a value model (PPO's critic): outputs are values (engine/backend/value_head.py)
-    seed: int = 0  # of the value head's initial weights
+    seed: int = 0  # of the weights the backend initialises (a value head) and its process's RNG
+    multi_adapter: bool = False  # one adapter of many on a shared base (see the class)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -51,6 +82,17 @@ class BackendSpec:
                              "(local: 1; fsdp: a divisor of ranks, the same number of ranks on each node)")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: {self.device!r} is not cpu, cuda, cuda:N or auto")
+        if self.multi_adapter and (self.value_head or self.with_reference):
+            raise ValueError("multi_adapter: a shared base trains policy adapters only (no value_head, no "
+                             "with_reference)")
+
+    def shared_base(self) -> BackendSpec:
+        """A multi-adapter model's base: what its shared worker is built from, and the key that
+        tells which models share one (the same base, strategy and device; each adapter's seed
+        is its own, in ``lora``)."""
+        if not self.multi_adapter:
+            raise ValueError("shared_base: only a multi_adapter spec has a shared base")
+        return replace(self, lora=None, seed=0)
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, pad_token_id: int) -> BackendSpec:

@@ -42,6 +42,7 @@ from opentinker.engine.backend.base import clipped_adamw_step
 from opentinker.engine.backend.forward import ResponseScorer
 from opentinker.engine.backend.lora import LoraSettings, tied_unembed_allowed
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
+from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
@@ -86,26 +87,28 @@ class AdapterWorker:
     rank = 0
     world_size = 1
 
-    def __init__(self, model_path: str | None, trust_remote_code: bool = False, device: str = "auto",
-                 max_resident: int | None = None, offload_dir: str | None = None,
+    def __init__(self, base: BackendSpec, max_resident: int | None = None, offload_dir: str | None = None,
                  limits: PassLimits | None = None):
         import shutil
         import tempfile
 
-        from opentinker.engine.model_loading import load_tokenizer, pick_device, resolve_model_path
+        from opentinker.engine.model_loading import pick_device, resolved_spec
 
+        if not base.multi_adapter:
+            raise ValueError("base: an AdapterWorker holds the shared base of multi_adapter specs "
+                             "(BackendSpec.shared_base())")
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident must be >= 1 or None, got {max_resident}")
         use_node_cores()
-        path = resolve_model_path(model_path)
-        self.device = pick_device(device)
-        self.vocab_size, self.context = datum_limits(path, trust_remote_code)
-        pad = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
-        self.base = self._load_base(path, trust_remote_code)
+        self.spec = resolved_spec(base.shared_base())
+        self.device = pick_device(self.spec.device)
+        self.vocab_size, self.context = datum_limits(self.spec.model_path, self.spec.trust_remote_code)
+        self.base = self._load_base(self.spec)
         self.model: Any = None  # the peft model, made with the first adapter
         # Rows are scored as padded rows: prefix sharing and packing would mix rows of
         # different adapters.
-        self.scorer = ResponseScorer(pad, self.device, use_remove_padding=False, share_prompt_prefix=False)
+        self.scorer = ResponseScorer(self.spec.pad_token_id, self.device, use_remove_padding=False,
+                                     share_prompt_prefix=False)
         self.adapters: dict[str, Adapter] = {}
         self.max_resident = max_resident
         self.limits = limits or PassLimits()  # what one pass may cost (padded tokens, attention cells)
@@ -118,10 +121,10 @@ class AdapterWorker:
         self.passes = 0  # batched passes run (for tests and stats)
         self.largest_pass = (0, 0)  # the most padded tokens and attention cells one pass held
 
-    def _load_base(self, path: str, trust_remote_code: bool) -> torch.nn.Module:
+    def _load_base(self, spec: BackendSpec) -> torch.nn.Module:
         from opentinker.engine.model_loading import load_causal_lm
 
-        base = load_causal_lm(path, device=self.device, trust_remote_code=trust_remote_code).eval()
+        base = load_causal_lm(spec.model_path, device=self.device, trust_remote_code=spec.trust_remote_code).eval()
         return base.requires_grad_(False)
 
     def ready(self) -> dict[str, Any]:

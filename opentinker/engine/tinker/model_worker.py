@@ -1,10 +1,12 @@
 """One Tinker training client's model: the training primitives behind a Ray actor.
 
-The server runs one :class:`TinkerModelWorker` per model (``create_model`` or a load from a
-checkpoint) and calls it one request at a time, in the client's ``seq_id`` order. It holds a
-``LocalBackend`` or an ``FSDPBackend`` (whose ranks are Ray actors of their own), so it is
-the same engine the PPO recipe trains with: LoRA or full fine-tuning, sum-reduced losses,
-gradients that accumulate until ``optim_step``.
+The server runs one :class:`TinkerModelWorker` per fully fine-tuned model (``create_model`` or a
+load from a checkpoint; a LoRA model's spec is ``multi_adapter``, so it trains in its base's
+shared ``AdapterWorker`` instead) and calls it one request at a time, in the client's ``seq_id``
+order. It holds the backend its :class:`~opentinker.engine.backend.spec.BackendSpec` names, a
+``LocalBackend`` or an ``FSDPBackend`` (whose ranks are Ray actors of their own), so it is the
+same engine the PPO recipe trains with: sum-reduced losses, gradients that accumulate until
+``optim_step``.
 """
 
 from __future__ import annotations
@@ -15,24 +17,21 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend import make_backend
+from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
-from opentinker.engine.tinker.calls import ModelSpec
 from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
 
 SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
 class TinkerModelWorker:
-    def __init__(self, spec: ModelSpec):
-        from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
+    def __init__(self, spec: BackendSpec):
+        from opentinker.engine.model_loading import resolved_spec
 
         use_node_cores()
         torch.manual_seed(spec.seed)
-        self.spec = spec
-        path = resolve_model_path(spec.model_path)
-        tokenizer = load_tokenizer(path, trust_remote_code=spec.trust_remote_code)
-        self.vocab_size, self.context = datum_limits(path, spec.trust_remote_code)
-        self.backend = make_backend(spec.backend_spec(path, tokenizer.pad_token_id))
+        self.spec = resolved_spec(spec)
+        self.vocab_size, self.context = datum_limits(self.spec.model_path, spec.trust_remote_code)
+        self.backend = make_backend(self.spec)
 
     def ready(self) -> dict[str, Any]:
         return {"step": self.backend.step}

@@ -21,6 +21,7 @@ base starts a new worker).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,13 +45,13 @@ class AdapterRank(AdapterWorker):
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, options: BackendSpec,
                  max_resident: int | None, offload_dir: str, limits: PassLimits | None = None):
-        self.rank, self.world_size, self.options = rank, world_size, options
+        self.rank, self.world_size = rank, world_size
         device, self.mesh = join_process_group(rank, world_size, master_addr, master_port, options.device)
-        super().__init__(options.model_path, options.trust_remote_code, str(device), max_resident,
+        super().__init__(dataclasses.replace(options, device=str(device)), max_resident,
                          str(Path(offload_dir) / f"rank{rank}"), limits)
 
-    def _load_base(self, path: str, trust_remote_code: bool) -> torch.nn.Module:
-        return build_sharded_model(self.options, self.rank, self.mesh, self.device, trainable=False)
+    def _load_base(self, spec: BackendSpec) -> torch.nn.Module:
+        return build_sharded_model(spec, self.rank, self.mesh, self.device, trainable=False)
 
     def _bounds(self, rows: int) -> tuple[int, int]:
         """This rank's contiguous share of ``rows`` rows (as ``fsdp.shard_rows`` splits a batch)."""
@@ -113,17 +114,16 @@ class ShardedAdapterWorker:
     """The driver: ``AdapterWorker``'s interface (``ready``, ``cycle``, ``stats``, ``close``) on
     ``ranks`` :class:`AdapterRank` actors in a placement group."""
 
-    def __init__(self, model_path: str | None, trust_remote_code: bool = False, device: str = "auto",
-                 max_resident: int | None = None, offload_dir: str | None = None,
-                 limits: PassLimits | None = None, ranks: int = 2, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
+    def __init__(self, base: BackendSpec, max_resident: int | None = None, offload_dir: str | None = None,
+                 limits: PassLimits | None = None, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import tempfile
 
-        from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
+        from opentinker.engine.model_loading import resolved_spec
 
-        path = resolve_model_path(model_path)
-        pad = load_tokenizer(path, trust_remote_code=trust_remote_code).pad_token_id
-        options = BackendSpec(model_path=path, pad_token_id=pad, strategy="fsdp", ranks=ranks, device=device,
-                              trust_remote_code=trust_remote_code)
+        if not (base.multi_adapter and base.strategy == "fsdp"):
+            raise ValueError("base: a ShardedAdapterWorker holds the shared base of multi_adapter specs with "
+                             f"strategy 'fsdp' (got multi_adapter={base.multi_adapter}, strategy {base.strategy!r})")
+        options = resolved_spec(base.shared_base())  # the model path and pad id once, for every rank
         folder = offload_dir or tempfile.mkdtemp(prefix="opentinker-adapters-")
         self._group, self._ranks = place_ranks(AdapterRank, options, placement_timeout_s, max_resident, folder,
                                                   limits)

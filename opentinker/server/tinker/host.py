@@ -40,6 +40,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.datum_rules import DatumError, check_datums
 from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
 from opentinker.server.jobs import ray_failure_reason
@@ -191,8 +192,8 @@ class SharedBase:
     model in it is waiting (that one cannot join the running cycle anyway): Ray queues it at
     the worker, which then goes straight on. At most two cycles are out at once."""
 
-    def __init__(self, key: tuple[str | None, bool], memory_bytes: int = 0):
-        self.key = key
+    def __init__(self, key: BackendSpec, memory_bytes: int = 0):
+        self.key = key  # the base's spec (BackendSpec.shared_base()): what the worker is built from
         self.memory_bytes = memory_bytes  # the base's admission estimate, held while it lives
         self.actor: Any = None
         self.models: set[str] = set()
@@ -206,18 +207,17 @@ class SharedBase:
         self.started: asyncio.Future | None = None
         self.dead_error: BaseException | None = None  # the worker died: every later request fails with this
 
-    async def start(self, model_path: str | None, trust_remote_code: bool, settings: "HostSettings") -> None:
+    async def start(self, settings: "HostSettings") -> None:
         if settings.offload_dir is not None:  # one folder per base, cleared by the worker at its start
             digest = hashlib.sha256(repr(self.key).encode()).hexdigest()[:16]
             self.offload_dir = Path(settings.offload_dir) / f"base-{digest}"
         self.cycle_limits = settings.cycle_limits
-        args = (model_path, trust_remote_code, settings.device, settings.max_resident_adapters,
-                None if self.offload_dir is None else str(self.offload_dir), settings.pass_limits)
-        if settings.strategy == "fsdp":  # the base sharded over FSDP ranks (each rank asks for its own GPU)
+        args = (self.key, settings.max_resident_adapters, None if self.offload_dir is None else str(self.offload_dir),
+                settings.pass_limits)
+        if self.key.strategy == "fsdp":  # the base sharded over FSDP ranks (each rank asks for its own GPU)
             from opentinker.engine.tinker.sharded_adapters import ShardedAdapterWorker
 
-            self.actor = ray.remote(ShardedAdapterWorker).options(num_cpus=0, max_concurrency=1).remote(
-                *args, ranks=settings.ranks)
+            self.actor = ray.remote(ShardedAdapterWorker).options(num_cpus=0, max_concurrency=1).remote(*args)
         else:
             from opentinker.engine.tinker.adapter_worker import AdapterWorker
 
@@ -506,29 +506,30 @@ class TinkerHost:
         self.futures = futures
         self.settings = settings
         self._models: dict[str, ModelSlot] = {}
-        self._bases: dict[tuple[str | None, bool], SharedBase] = {}
-        self._base_memory: dict[tuple[str | None, bool], int] = {}  # admitted, worker not made yet
+        self._bases: dict[BackendSpec, SharedBase] = {}  # by the base's spec (BackendSpec.shared_base())
+        self._base_memory: dict[BackendSpec, int] = {}  # admitted, worker not made yet
         self._samplers: dict[str, asyncio.Future] = {}
         if settings.offload_dir is not None:  # what workers of an earlier server process left there
             shutil.rmtree(settings.offload_dir, ignore_errors=True)
 
     # -- models ------------------------------------------------------------------------
-    def start_model(self, model_id: str, user_id: int, worker_spec: Any, request_id: str,
+    def start_model(self, model_id: str, user_id: int, spec: BackendSpec, request_id: str,
                     answer: dict[str, Any], load: tuple[str, bool] | None = None, memory_bytes: int = 0) -> None:
-        """Start the model's actor in the background; the create future gets ``answer``
-        once it is up (and, with ``load``, has loaded that checkpoint folder). The model
-        holds ``memory_bytes`` of the admission budget until it is gone."""
+        """Start the model's backend in the background (a ``multi_adapter`` spec: its adapter in
+        its base's shared worker; otherwise an actor of its own); the create future gets
+        ``answer`` once it is up (and, with ``load``, has loaded that checkpoint folder). The
+        model holds ``memory_bytes`` of the admission budget until it is gone."""
         slot = ModelSlot(model_id, user_id, memory_bytes)
         self._models[model_id] = slot
-        slot.task = asyncio.create_task(self._serve(slot, worker_spec, request_id, answer, load))
+        slot.task = asyncio.create_task(self._serve(slot, spec, request_id, answer, load))
 
-    async def _start(self, slot: ModelSlot, worker_spec: Any, load: tuple[str, bool] | None) -> None:
-        if self.shares_base(worker_spec):
-            base = self._shared_base(worker_spec)
+    async def _start(self, slot: ModelSlot, spec: BackendSpec, load: tuple[str, bool] | None) -> None:
+        if spec.multi_adapter:
+            base = self._shared_base(spec)
             base.models.add(slot.model_id)  # from now on the worker stays up for it
             try:
                 await asyncio.shield(base.started)
-                await base.op("add_model", slot.model_id, worker_spec.lora_settings(), user_id=slot.user_id)
+                await base.op("add_model", slot.model_id, spec.lora, user_id=slot.user_id)
             except BaseException:  # it failed, or the model was unloaded while it came up
                 await self._release(base, slot.model_id)
                 raise
@@ -536,31 +537,22 @@ class TinkerHost:
         else:
             from opentinker.engine.tinker.model_worker import TinkerModelWorker
 
-            gpus = _gpus() if self.settings.strategy == "local" else 0
+            gpus = _gpus() if spec.strategy == "local" else 0
             slot.actor = OwnWorker(ray.remote(TinkerModelWorker).options(
-                num_cpus=0, num_gpus=gpus, max_concurrency=1).remote(worker_spec))
+                num_cpus=0, num_gpus=gpus, max_concurrency=1).remote(spec))
             await await_ref(slot.actor.actor.ready.remote())
         if load is not None:
             await slot.actor.load_state(*load)
 
-    @staticmethod
-    def shares_base(worker_spec: Any) -> bool:
-        """LoRA models live in their base model's shared worker (on either strategy)."""
-        return worker_spec.lora_rank > 0
-
-    @staticmethod
-    def _base_key(worker_spec: Any) -> tuple[str | None, bool]:
-        return worker_spec.model_path, worker_spec.trust_remote_code
-
-    def shared_base_started(self, worker_spec: Any) -> bool:
+    def shared_base_started(self, spec: BackendSpec) -> bool:
         """Whether the base's weights are held (or admitted) already."""
-        key = self._base_key(worker_spec)
+        key = spec.shared_base()
         return key in self._bases or key in self._base_memory
 
-    def _shared_base(self, worker_spec: Any) -> SharedBase:
+    def _shared_base(self, spec: BackendSpec) -> SharedBase:
         """The shared worker of the model's base (started by the first LoRA model of it; the
         last model to leave stops it)."""
-        key = self._base_key(worker_spec)
+        key = spec.shared_base()
         base = self._bases.get(key)
         if base is not None and base.dead_error is not None:  # its models learn it at their next request
             self._base_memory[key] = base.memory_bytes
@@ -569,14 +561,13 @@ class TinkerHost:
             base = None
         if base is None:
             base = self._bases[key] = SharedBase(key, self._base_memory.pop(key, 0))
-            base.started = asyncio.ensure_future(base.start(worker_spec.model_path, worker_spec.trust_remote_code,
-                                                            self.settings))
+            base.started = asyncio.ensure_future(base.start(self.settings))
             base.started.add_done_callback(lambda done: done.cancelled() or done.exception())  # awaited by models
         return base
 
-    def reserve_base_memory(self, worker_spec: Any, memory_bytes: int) -> None:
+    def reserve_base_memory(self, spec: BackendSpec, memory_bytes: int) -> None:
         """The admission estimate of the base weights a new shared worker will hold."""
-        key = self._base_key(worker_spec)
+        key = spec.shared_base()
         if key not in self._bases:
             self._base_memory[key] = memory_bytes
 
@@ -594,10 +585,10 @@ class TinkerHost:
             self._bases.pop(base.key, None)
             await base.stop()
 
-    async def _serve(self, slot: ModelSlot, worker_spec: Any, request_id: str, answer: dict[str, Any],
+    async def _serve(self, slot: ModelSlot, spec: BackendSpec, request_id: str, answer: dict[str, Any],
                      load: tuple[str, bool] | None) -> None:
         try:
-            await self._start(slot, worker_spec, load)
+            await self._start(slot, spec, load)
         except Exception as error:  # the model never came up: its create future and queue fail
             message, category = failure(error)
             self.state.set_model_state(slot.model_id, "failed", message)

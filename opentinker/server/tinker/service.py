@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.pass_plan import PassLimits
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.settings import ServerSettings
@@ -186,7 +187,7 @@ class TinkerService:
         """The served model's context in tokens (its config's max_position_embeddings), if known."""
         return self.facts.get(self.served_model(base_model)).context
 
-    def admit_model(self, served: ServedModel, worker_spec: Any) -> int:
+    def admit_model(self, served: ServedModel, spec: BackendSpec) -> int:
         """The memory estimate a new model of ``served`` holds once admitted (0 when its size is
         unknown): a LoRA model beside others on a shared base holds its adapter's; the base's
         weights are held once, by the shared worker, from its first model on. :class:`ServerFull`
@@ -194,11 +195,10 @@ class TinkerService:
         never fit the budget."""
         settings = self.settings
         facts = self.facts.get(served)
-        lora = worker_spec.lora_rank > 0
-        shared = self.host.shares_base(worker_spec)
-        if shared:
-            estimate = estimated_adapter_bytes(facts, worker_spec.lora_rank) or 0
-            base = 0 if self.host.shared_base_started(worker_spec) else estimated_model_bytes(facts, True) or 0
+        lora = spec.lora is not None
+        if spec.multi_adapter:
+            estimate = estimated_adapter_bytes(facts, spec.lora.rank) or 0
+            base = 0 if self.host.shared_base_started(spec) else estimated_model_bytes(facts, True) or 0
         else:
             estimate, base = estimated_model_bytes(facts, lora) or 0, 0
         kind = "LoRA" if lora else "fully fine-tuned"
@@ -219,8 +219,8 @@ class TinkerService:
             raise ServerFull(f"the server's memory for Tinker models is full: {_gib(used)} of {_gib(budget)} is "
                              f"taken (estimated){reserved} and a {kind} model of {served.name} needs about "
                              f"{_gib(estimate + base)}; retry when a model is unloaded")
-        if shared and base:
-            self.host.reserve_base_memory(worker_spec, base)
+        if spec.multi_adapter and base:
+            self.host.reserve_base_memory(spec, base)
         return estimate
 
     def usable_model(self, model_id: str, user_id: int) -> ModelRow:

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from opentinker.engine.backend.spec import BackendSpec
+from opentinker.engine.tinker.calls import model_backend_spec
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
 from opentinker.server.tinker import openapi, schemas, wire
@@ -35,14 +37,14 @@ from opentinker.server.tinker.routes.common import (
 router = tinker_router()
 
 
-def _worker_spec(svc: TinkerService, model: Any, lora: dict[str, Any]):
-    from opentinker.engine.tinker.calls import ModelSpec
-
+def _backend_spec(svc: TinkerService, model: Any, lora: dict[str, Any]) -> BackendSpec:
+    """The backend a model recorded with ``lora`` (its create request's lora_config) trains on;
+    ValueError for a lora_config with nothing to train."""
     host = svc.settings.host
-    return ModelSpec(model_path=model.path, lora_rank=int(lora.get("lora_rank", 0)), seed=int(lora.get("seed", 0)),
-                     train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
-                     train_unembed=unembed_adapted(lora), trust_remote_code=model.trust_remote_code,
-                     strategy=host.strategy, device=host.device, ranks=host.ranks)
+    return model_backend_spec(model.path, lora_rank=int(lora.get("lora_rank") or 0), seed=int(lora.get("seed") or 0),
+                              train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
+                              train_unembed=unembed_adapted(lora), trust_remote_code=model.trust_remote_code,
+                              strategy=host.strategy, device=host.device, ranks=host.ranks)
 
 
 def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: int, base_model: str,
@@ -74,19 +76,17 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
         raise user_error(f"LoRA rank {rank} is more than this server allows for {served.name}: at most {max_rank} "
                          f"({why}); each unit of rank costs memory in the trainer, the sampler and every checkpoint")
     try:
-        worker_spec = _worker_spec(svc, served, spec)
-        if spec.get("lora_rank"):
-            worker_spec.target_modules()
+        backend_spec = _backend_spec(svc, served, spec)
     except ValueError as error:
         raise user_error(str(error)) from None
     try:  # server-wide: the live models and their estimated memory, whoever's
-        memory = svc.admit_model(served, worker_spec)
+        memory = svc.admit_model(served, backend_spec)
     except ServerFull as error:
         raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
     svc.state.add_model(model_id, session_id, user.id, served.name, spec, metadata)
     row = svc.futures.add(user.id, kind, model_id, 0)  # a new model: no future yet
     answer = {"model_id": model_id} if load_path is None else {"model_id": model_id, "path": load_path}
-    svc.host.start_model(model_id, user.id, worker_spec, row.request_id, answer, load, memory)
+    svc.host.start_model(model_id, user.id, backend_spec, row.request_id, answer, load, memory)
     return row.submit_answer()
 
 
