@@ -108,6 +108,53 @@ def test_state_round_trip_and_export(fsdp, batch, tmp_path, tiny_tokenizer):
         assert torch.equal(tensor, saved[name]), name
 
 
+def _write_sharded_format(rank, path: str) -> None:
+    """What an FSDP rank wrote before the one state file (dcp shards and rank{N}.pt), run on
+    the rank by the test: checkpoints of that format must still load."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(rank.model, [rank.optimizer] if rank.optimizer else [])
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(path) / "dcp"))
+    torch.save({"rng": torch.get_rng_state(), "step": rank.step, "has_optimizer": rank.optimizer is not None},
+               Path(path) / f"rank{rank.rank}.pt")
+
+
+def test_a_checkpoint_moves_between_two_ranks_and_one_process(fsdp, local, batch, tmp_path):
+    """One state file for every backend: what 2 ranks save, one process loads (weights,
+    optimizer moments, step) and trains on exactly as the ranks do; and back."""
+    import ray
+
+    from opentinker.engine.backend.base import STATE_FILE
+
+    params = AdamParams(lr=1e-3, eps=1e-3)
+    fsdp.forward_backward(batch, "cross_entropy")
+    fsdp.optim_step(params)
+    fsdp.save_state(tmp_path / "ranks")
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [STATE_FILE]
+    local.load_state(tmp_path / "ranks")
+    assert local.step == fsdp.step and local.optimizer is not None
+    saved = all_weights(fsdp)
+    assert all(torch.equal(saved[name], t) for name, t in all_weights(local).items())
+    for backend in (fsdp, local):  # the moments came along: the next step is the same step
+        backend.forward_backward(batch, "cross_entropy")
+        backend.optim_step(params)
+    after = all_weights(fsdp)
+    assert all(torch.allclose(after[name], t, atol=1e-5) for name, t in all_weights(local).items())
+    local.save_state(tmp_path / "one")
+    fsdp.load_state(tmp_path / "ranks")
+    fsdp.load_state(tmp_path / "one")
+    restored = all_weights(fsdp)
+    assert fsdp.step == local.step and all(torch.equal(restored[name], t) for name, t in all_weights(local).items())
+    # The per-rank sharded format written before the state file still loads.
+    ray.get([rank.__ray_call__.remote(_write_sharded_format, str(tmp_path / "sharded")) for rank in fsdp._ranks])
+    fsdp.load_state(tmp_path / "ranks")
+    fsdp.load_state(tmp_path / "sharded")
+    assert fsdp.step == local.step and all(torch.equal(t, restored[name]) for name, t in all_weights(fsdp).items())
+
+
 def test_more_ranks_than_the_cluster_has_fail_fast_naming_the_resource(ray_session, tiny_model_dir, tiny_tokenizer):
     from opentinker.engine.backend.fsdp import FSDPBackend
 
@@ -139,5 +186,17 @@ def test_lora_on_two_ranks_matches_lora_in_one_process(ray_session, tiny_model_d
         exported = load_causal_lm(str(sharded.export_hf(tmp_path / "hf", tiny_tokenizer)))
         assert all(torch.equal(t, merged_sharded[n]) for n, t in exported.state_dict().items())
         assert (tmp_path / "hf" / "adapter" / "adapter_config.json").exists()
+        # The adapters' state moves between the two: saved by one process, the ranks go on from it.
+        local.save_state(tmp_path / "one")
+        sharded.load_state(tmp_path / "one")
+        for backend in (local, sharded):
+            backend.forward_backward(batch, "cross_entropy")
+            backend.optim_step(AdamParams(lr=1e-2, eps=1e-3))
+        merged_local, merged_sharded = all_weights(local), all_weights(sharded)
+        for name, tensor in merged_local.items():
+            assert torch.allclose(merged_sharded[name], tensor, atol=1e-5), name
+        sharded.save_state(tmp_path / "ranks")
+        assert set(torch.load(tmp_path / "ranks" / "backend_state.pt", weights_only=False)["model"]) == {
+            name for name, param in local.model.named_parameters() if param.requires_grad}
     finally:
         sharded.close()

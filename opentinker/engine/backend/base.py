@@ -83,24 +83,48 @@ def clipped_adamw_step(optimizer: torch.optim.AdamW | None, parameters: list[tor
     return optimizer, {"grad_norm": grad_norm, "lr": params.lr, "skipped_nonfinite": float(not finite)}
 
 
-#: The one-file checkpoint of a backend's trained state (one process, the shared adapter worker).
+#: The one-file checkpoint of every backend's trained state (one process, the FSDP ranks, the
+#: shared adapter worker): a checkpoint loads on any number of ranks or in one process.
 STATE_FILE = "backend_state.pt"
 
 
-def write_state_file(folder: str | Path, weights: Mapping[str, torch.Tensor], optimizer: torch.optim.AdamW | None,
-                     rng: torch.Tensor, step: int, cuda_rng: Any = None) -> Path:
-    """``folder/backend_state.pt``: the trained weights (with LoRA: the adapters), the
-    optimizer's state (None before the first step), the RNG and the step count."""
+def write_state_file(folder: str | Path, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None,
+                     rng: torch.Tensor, step: int, cuda_rng: Any = None,
+                     rank_rngs: list[torch.Tensor] | None = None) -> Path:
+    """``folder/backend_state.pt``: the trained weights under the model's own names (with LoRA:
+    the adapters), the optimizer's ``state_dict()`` (keyed by position among the trained
+    parameters, in the model's order; None before the first step), the RNG (FSDP: rank 0's,
+    and every rank's in ``rank_rngs``) and the step count."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": dict(weights), "optimizer": None if optimizer is None else optimizer.state_dict(),
-                "rng": rng, "cuda_rng": cuda_rng, "step": step}, folder / STATE_FILE)
+    torch.save({"model": dict(weights), "optimizer": None if optimizer is None else dict(optimizer),
+                "rng": rng, "cuda_rng": cuda_rng, "step": step, "rank_rngs": rank_rngs}, folder / STATE_FILE)
     return folder
 
 
-def read_state_file(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """What :func:`write_state_file` wrote (keys ``model``, ``optimizer``, ``rng``, ``cuda_rng``, ``step``)."""
-    return torch.load(Path(folder) / STATE_FILE, map_location=map_location, weights_only=False)
+def read_state_file(folder: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """What :func:`write_state_file` wrote (keys ``model``, ``optimizer``, ``rng``, ``cuda_rng``,
+    ``step``, ``rank_rngs``). ``mmap``: tensors stay in the file's pages until read (ranks on
+    one node then share one copy)."""
+    return torch.load(Path(folder) / STATE_FILE, map_location=map_location, weights_only=False, mmap=mmap)
+
+
+def optimizer_state_by_position(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter name (``torch.distributed.checkpoint``'s form)
+    keyed by position instead, as ``optimizer.state_dict()`` keys it (the state file's form)."""
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    position = {name: index for index, name in enumerate(names)}
+    return {"state": {position[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def optimizer_state_by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_state_by_position`: ``names`` are the optimizer's
+    parameters' names in its order."""
+    return {"state": {names[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                             for group in state["param_groups"]]}
 
 
 def clip_gradients(parameters: list[torch.nn.Parameter], grad_clip: float | None) -> float:

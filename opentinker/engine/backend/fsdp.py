@@ -37,6 +37,10 @@ from opentinker.engine.backend.base import (
     adamw_for,
     clipped_adamw_step,
     loss_without_gradients,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    read_state_file,
+    write_state_file,
 )
 from opentinker.engine.backend.forward import ResponseScorer, pad_to, scorer_for
 from opentinker.engine.backend.lora import MergeEntry, add_adapters, merge_plan, merged_tensor
@@ -223,24 +227,66 @@ class FSDPRank:
         model = self.model.get_base_model() if self.options.lora else self.model
         return model.state_dict()
 
+    def _trained_names(self) -> list[str]:
+        """The trained parameters' names, in the optimizer's order."""
+        return [name for name, param in self.model.named_parameters() if param.requires_grad]
+
     def save_state(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """Rank 0 writes the backends' one state file (``base.write_state_file``): the trained
+        weights and optimizer state gathered whole into its host memory, so the checkpoint
+        loads on any number of ranks or in one process."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(path) / "dcp"))
-        torch.save({"rng": torch.get_rng_state(), "step": self.step,
-                    "has_optimizer": self.optimizer is not None},
-                   Path(path) / f"rank{self.rank}.pt")
+        optimizers = [self.optimizer] if self.optimizer else []
+        model_state, optim_state = get_state_dict(
+            self.model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        rngs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rngs, torch.get_rng_state())
+        if self.rank != 0:
+            return
+        if self.options.lora:  # the adapters only, as one process saves them
+            trained = set(self._trained_names())
+            model_state = {name: tensor for name, tensor in model_state.items() if name in trained}
+        write_state_file(path, model_state, optimizer_state_by_position(optim_state) if self.optimizer else None,
+                         rngs[0], self.step, rank_rngs=rngs)
 
-    def load_state(self, path: str, with_optimizer: bool = True) -> None:
+    def load_state(self, path: str, with_optimizer: bool = True) -> int:
+        """What a state file holds, on this rank's shard (every rank reads the file memory-mapped
+        and takes its own part); returns the step. A folder of the sharded format written
+        before the state file is read as it was written."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        if (Path(path) / "dcp").is_dir():
+            return self._load_sharded(path, with_optimizer)
+        state = read_state_file(path, mmap=True)
+        names = self._trained_names()
+        expected = set(names) if self.options.lora else set(self.model.state_dict())
+        if set(state["model"]) != expected:  # every rank finds it, before any collective
+            unexpected = sorted(set(state["model"]) - expected)[:3]
+            raise ValueError(f"{path}: the saved state does not fit this model (unexpected: {unexpected}, missing: "
+                             f"{sorted(expected - set(state['model']))[:3]})")
+        full = StateDictOptions(full_state_dict=True, strict=not self.options.lora)
+        set_model_state_dict(self.model, state["model"], options=full)
+        self.optimizer = None  # saved before the first step (or not wanted): made at the next
+        if state["optimizer"] is not None and with_optimizer:
+            self.optimizer = adamw_for(None, [p for p in self.model.parameters() if p.requires_grad], AdamParams(0.0))
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer_state_by_name(state["optimizer"], names),
+                                     options=full)
+        rank_rngs = state.get("rank_rngs") or []
+        torch.set_rng_state(rank_rngs[self.rank] if len(rank_rngs) == self.world_size else state["rng"])
+        self.step = int(state["step"])
+        return self.step
+
+    def _load_sharded(self, path: str, with_optimizer: bool) -> int:
+        """A checkpoint of the per-rank sharded format (``dcp/`` and ``rank{N}.pt``) FSDP
+        ranks wrote before the state file; it loads on as many ranks as wrote it."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         extra = torch.load(Path(path) / f"rank{self.rank}.pt", weights_only=False)
-        if not extra["has_optimizer"]:
-            self.optimizer = None  # saved before the first step: so it is again
-        elif self.optimizer is None:  # a fresh optimizer's state, for dcp to load into
+        self.optimizer = None
+        if extra["has_optimizer"]:
             self.optimizer = adamw_for(None, [p for p in self.model.parameters() if p.requires_grad], AdamParams(0.0))
         optimizers = [self.optimizer] if self.optimizer else []
         model_state, optim_state = get_state_dict(self.model, optimizers)
@@ -251,6 +297,7 @@ class FSDPRank:
         self.step = int(extra["step"])
         if not with_optimizer:
             self.optimizer = None  # made afresh at the next step
+        return self.step
 
     def export_hf(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -468,8 +515,7 @@ class FSDPBackend:
         return path
 
     def load_state(self, path: str | Path, *, with_optimizer: bool = True) -> None:
-        self._call("load_state", str(path), with_optimizer)
-        self.step = int(torch.load(Path(path) / "rank0.pt", weights_only=False)["step"])
+        self.step = int(self._call("load_state", str(path), with_optimizer)[0])
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> Path:
         path = Path(path)

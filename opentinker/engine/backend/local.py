@@ -130,7 +130,8 @@ class LocalBackend:
     def save_state(self, path: str | Path) -> Path:
         """Weights (with LoRA: the adapters), optimizer, RNG and step in ``path/backend_state.pt``."""
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return write_state_file(path, self._trained_state(), self.optimizer, torch.get_rng_state(), self.step, cuda_rng)
+        return write_state_file(path, self._trained_state(), self.optimizer and self.optimizer.state_dict(),
+                                torch.get_rng_state(), self.step, cuda_rng)
 
     def load_state(self, path: str | Path, *, with_optimizer: bool = True) -> None:
         """Everything :meth:`save_state` wrote; ``with_optimizer=False`` keeps only the weights

@@ -38,7 +38,8 @@ class Adapter:
 def write_adapter_state(adapter: Adapter, path: str) -> None:
     """The adapter, optimizer, RNG and step in ``path/backend_state.pt``."""
     weights = {name: p.detach().cpu() for name, p in adapter.named}
-    write_state_file(path, strip_names(weights, adapter.name), adapter.optimizer, adapter.rng, adapter.step)
+    write_state_file(path, strip_names(weights, adapter.name), adapter.optimizer and adapter.optimizer.state_dict(),
+                     adapter.rng, adapter.step)
 
 
 def read_adapter_state(adapter: Adapter, path: str, with_optimizer: bool) -> None:
