@@ -119,6 +119,10 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
         mine, ours = checkpoint_weights(data_dir, alone["state"]), checkpoint_weights(data_dir, run["state"])
         assert set(mine) == set(ours)
         assert max(float((mine[n] - ours[n]).abs().max()) for n in mine) < 1e-5
+        # What the checkpoint says of itself is what its model was made with.
+        info = service.create_rest_client().get_weights_info_by_tinker_path(alone["state"]).result()
+        assert (info.is_lora, info.lora_rank, info.train_mlp, info.train_unembed) == (True, rank, train_mlp,
+                                                                                      train_unembed)
         service.close("success").result()
     # Ranks differ, so the models really are different adapters.
     assert {len(checkpoint_weights(data_dir, r["state"])["base_model.model.model.layers.0.self_attn.q_proj"
