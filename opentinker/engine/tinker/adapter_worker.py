@@ -94,13 +94,10 @@ class AdapterWorker:
 
         from opentinker.engine.model_loading import pick_device, resolved_spec
 
-        if not base.multi_adapter:
-            raise ValueError("base: an AdapterWorker holds the shared base of multi_adapter specs "
-                             "(BackendSpec.shared_base())")
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident must be >= 1 or None, got {max_resident}")
         use_node_cores()
-        self.spec = resolved_spec(base.shared_base())
+        self.spec = resolved_spec(base.shared_base())  # a ValueError unless base is multi_adapter
         self.device = pick_device(self.spec.device)
         self.vocab_size, self.context = datum_limits(self.spec.model_path, self.spec.trust_remote_code)
         self.base = self._load_base(self.spec)
