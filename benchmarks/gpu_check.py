@@ -17,6 +17,9 @@ Checks (``--only`` picks some):
   weights, bf16 autocast): 64 rows of 128 prompt + 512 response tokens, micro-batches of 16,
   then AdamW. MFU = ``6 * parameters * tokens / seconds`` over the dense bf16 peak (attention
   FLOPs left out: an underestimate).
+* ``packed``: padded against packed micro-batches (``use_remove_padding``: each sequence's
+  attention its own, one varlen flash kernel) on ragged rows (responses of 64 to 512 tokens),
+  same tokens, each after a warm-up; MFU over real tokens, and the two losses' difference.
 * ``fsdp``: the same update on one FSDP2 rank (nccl, bf16 mixed precision), no Ray needed.
 * ``lora``: the same update with LoRA rank 32 on every linear layer.
 * ``rollout``: the transformers rollout engine, bf16, 64 and 256 prompts of 128 tokens + 256
@@ -147,6 +150,48 @@ def check_update(state: dict, lora=None, check: str = "update") -> None:
     elif "update_s" in state:
         row(check, "LoRA / full update time", f"x{seconds / state['update_s']:.2f}")
     backend.close()
+
+
+def ragged_batch(rows: int = ROWS):
+    """GRPO-like rows whose responses stop at different lengths (64 to RESPONSE tokens)."""
+    from opentinker.engine.batch import TokenBatch
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, TOKEN_HIGH, (rows, PROMPT), generator=generator).tolist()
+    lengths = torch.randint(64, RESPONSE + 1, (rows,), generator=generator).tolist()
+    return TokenBatch.from_responses(prompts, [torch.randint(3, TOKEN_HIGH, (n,), generator=generator).tolist()
+                                               for n in lengths])
+
+
+def check_packed(state: dict) -> None:
+    """Padded against packed micro-batches (use_remove_padding: varlen flash attention per
+    sequence) on ragged rows, same model and tokens, interleaved; MFU counts real tokens only."""
+    from opentinker.engine.backend import BackendSpec, make_backend
+    from opentinker.engine.backend.base import AdamParams
+
+    batch = ragged_batch()
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    row("packed", "ragged batch: real / padded tokens", f"{tokens} / {len(batch) * (PROMPT + RESPONSE)}")
+    seconds, losses = {}, {}
+    for packed in (False, True):
+        free_memory()
+        backend = make_backend(BackendSpec(model_path=state["folder"], pad_token_id=0, device="cuda",
+                                           share_prompt_prefix=False, use_remove_padding=packed))
+        parameters = sum(p.numel() for p in backend.model.parameters())
+        first = batch.select(range(MICRO))
+        losses[packed] = backend.forward_loss(first, "cross_entropy").metrics["loss:sum"]
+        seconds[packed] = timed_updates(lambda b: backend.forward_backward(b, "cross_entropy"),
+                                        lambda: backend.optim_step(AdamParams(lr=1e-6, grad_clip=1.0)), batch)
+        label = "packed (varlen)" if packed else "padded"
+        flops = 6 * parameters * tokens / seconds[packed]
+        row("packed", f"{label}: update", f"{seconds[packed]:.2f} s, {tokens / seconds[packed]:,.0f} real tok/s")
+        row("packed", f"{label}: MFU on real tokens", f"{flops / (spec_peak() or state.get('matmul')):.1%}",
+            "goal >= 40%")
+        row("packed", f"{label}: peak GPU memory", f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        backend.close()
+    row("packed", "padded / packed update time", f"x{seconds[False] / seconds[True]:.2f}")
+    row("packed", "first micro-batch loss: |packed - padded| / padded",
+        f"{abs(losses[True] - losses[False]) / abs(losses[False]):.1e}", "bf16 rounding (~1e-3)")
 
 
 def check_lora(state: dict) -> None:
@@ -292,9 +337,9 @@ def check_gae(state: dict) -> None:  # the default actor lr (1e-6) barely moves 
     run_recipe("gae", ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4"])
 
 
-CHECKS = {"hardware": check_hardware, "update": check_update, "rollout": check_rollout, "grpo": check_grpo,
-          "fsdp": check_fsdp, "lora": check_lora, "adapters": check_adapters, "gae": check_gae}
-NEEDS_MODEL = {"update", "rollout", "fsdp", "lora", "adapters"}
+CHECKS = {"hardware": check_hardware, "update": check_update, "packed": check_packed, "rollout": check_rollout,
+          "grpo": check_grpo, "fsdp": check_fsdp, "lora": check_lora, "adapters": check_adapters, "gae": check_gae}
+NEEDS_MODEL = {"update", "packed", "rollout", "fsdp", "lora", "adapters"}
 
 
 def main() -> int:

@@ -41,11 +41,12 @@ DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {
         "model": {
             "path": None,  # None -> the embedded tiny model
-            # Packed sequences skip pad tokens, but only a varlen attention kernel (flash-attn on
-            # GPU) exploits that; with sdpa on CPU one long masked row is far slower than padding.
-            "use_remove_padding": False,
-            # Run each distinct prompt once and reuse its KV cache for its n samples
-            # (padded path only; same logprobs and gradients, far fewer tokens computed).
+            # Pack each micro-batch's rows into one row without padding, each sequence's attention
+            # its own (engine/backend/packed_attention.py: varlen flash on GPU, sdpa per sequence on CPU).
+            "use_remove_padding": True,
+            # Run each distinct prompt once and reuse its KV cache for its n samples (same
+            # logprobs and gradients). With both on, each micro-batch takes whichever computes
+            # fewer tokens: the prompts once (long prompts, short responses) or the packed row.
             "share_prompt_prefix": True,
             "enable_gradient_checkpointing": False,
             "trust_remote_code": False,

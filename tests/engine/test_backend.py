@@ -32,10 +32,10 @@ def grouped_batch(arithmetic_prompt_ids):
     return TokenBatch.from_responses(prompts, responses, masks)
 
 
-PATHS = {
-    "shared_prefix": ["actor_rollout_ref.model.share_prompt_prefix=true"],
-    "padded": ["actor_rollout_ref.model.share_prompt_prefix=false"],
-    "packed": ["actor_rollout_ref.model.use_remove_padding=true"],
+PATHS = {  # each layout alone (by default a micro-batch takes the cheaper of packed and shared prefix)
+    "shared_prefix": ["actor_rollout_ref.model.share_prompt_prefix=true", "actor_rollout_ref.model.use_remove_padding=false"],
+    "padded": ["actor_rollout_ref.model.share_prompt_prefix=false", "actor_rollout_ref.model.use_remove_padding=false"],
+    "packed": ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.share_prompt_prefix=false"],
 }
 
 
@@ -105,6 +105,77 @@ def test_shared_prefix_handles_one_token_responses(make_backend, arithmetic_prom
     shared = make_backend(*PATHS["shared_prefix"]).forward(batch).logprobs
     padded = make_backend(*PATHS["padded"]).forward(batch).logprobs
     assert shared.shape == (4, 1) and torch.allclose(shared, padded, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_attention_is_each_sequences_own_causal_attention(kv_heads):
+    """Per sequence, with no [T, T] mask: the values and gradients of sdpa through the
+    block-diagonal causal mask transformers builds for a packed row (GQA included)."""
+    from opentinker.engine.backend.packed_attention import packed_attention
+
+    torch.manual_seed(0)
+    lengths = [5, 1, 7, 3]
+    total = sum(lengths)
+    query = torch.randn(1, 4, total, 8, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(1, kv_heads, total, 8, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(1, kv_heads, total, 8, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    ours, _ = packed_attention(torch.nn.Module(), query, key, value, None, scaling=0.3, cu_seq_lens_q=cu,
+                               max_length_q=7)
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = (document[:, None] == document[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
+                                                                enable_gqa=kv_heads != 4).transpose(1, 2)
+    torch.testing.assert_close(ours, expected)
+    weights = torch.randn_like(expected)
+    ours_grads = torch.autograd.grad((ours * weights).sum(), (query, key, value))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    for mine, theirs in zip(ours_grads, expected_grads):
+        torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.parametrize("lora", [[], ["actor_rollout_ref.model.lora_rank=4"]])
+def test_packed_rows_give_the_padded_rows_loss_and_gradients(make_backend, grouped_batch, monkeypatch, lora):
+    """use_remove_padding: the micro-batch's rows packed into one row, each sequence's attention
+    its own (no mask over the row), give the padded rows' logprobs, loss and gradients."""
+    from opentinker.engine.backend import packed_attention as packing
+
+    seen = []
+    plain = packing.packed_attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((kwargs.get("cu_seq_lens_q") is not None, attention_mask is None))
+        return plain(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(packing, "packed_attention", spy)
+    padded = make_backend(*PATHS["padded"], *lora)
+    packed = make_backend(*PATHS["packed"], *lora)
+    config = {"policy_loss": "vanilla", "clip_ratio": 0.2}
+    grouped_batch.tensors["advantages"] = torch.linspace(-1, 1, len(grouped_batch)).unsqueeze(-1) * (
+        grouped_batch.response_mask)
+    grouped_batch.tensors["weights"] = grouped_batch.response_mask / grouped_batch.response_mask.sum()
+    grouped_batch.tensors["old_logprobs"] = padded.forward(grouped_batch).logprobs - 0.05 * grouped_batch.response_mask
+    outputs = [backend.forward_backward(grouped_batch, "rl_policy", config) for backend in (padded, packed)]
+    # One packed forward: every layer's attention per sequence, no mask (the padded backend's is sdpa's).
+    assert seen == [(True, True)] * packed.model.config.num_hidden_layers
+    torch.testing.assert_close(outputs[1].elementwise_loss, outputs[0].elementwise_loss, atol=1e-5, rtol=1e-5)
+    assert outputs[1].metrics["loss:sum"] == pytest.approx(outputs[0].metrics["loss:sum"], rel=1e-5)
+    assert_close_grads(grads(padded.model), grads(packed.model))
+
+
+def test_with_both_layouts_on_each_micro_batch_takes_the_one_that_computes_fewer_tokens():
+    from opentinker.engine.backend.forward import ResponseScorer
+
+    both = ResponseScorer(0, torch.device("cpu"), use_remove_padding=True, share_prompt_prefix=True)
+    long_prompt = list(range(3, 103))
+    # 8 samples of a 100-token prompt, short responses: the prompt once (100 + 8 x 4 < 8 x 105).
+    short = TokenBatch.from_responses([long_prompt] * 8, [[7] * 5] * 8)
+    # Ragged responses up to 300 tokens after a 10-token prompt: packed (10 + 8 x 299 > sum of rows).
+    ragged = TokenBatch.from_responses([long_prompt[:10]] * 8, [[7] * n for n in (300, 5, 9, 12, 3, 40, 7, 2)])
+    assert both.shares_prefix(short) and not both.shares_prefix(ragged)
+    assert not ResponseScorer(0, torch.device("cpu"), share_prompt_prefix=False,
+                              use_remove_padding=True).shares_prefix(short)
+    assert ResponseScorer(0, torch.device("cpu")).shares_prefix(ragged)  # not packing: padded rows cost more
 
 
 def test_packed_inputs_restart_positions_and_compute_no_padding(batch):

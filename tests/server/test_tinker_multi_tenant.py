@@ -120,7 +120,8 @@ def test_four_sdk_clients_share_one_base_and_each_trains_as_alone(server, keys, 
         assert set(mine) == set(ours)
         assert max(float((mine[n] - ours[n]).abs().max()) for n in mine) < 1e-5
         # What the checkpoint says of itself is what its model was made with.
-        info = service.create_rest_client().get_weights_info_by_tinker_path(alone["state"]).result()
+        rest = tinker.RestClient(base_url=server.url, api_key="tml-" + keys["alice"])
+        info = rest.get_weights_info_by_tinker_path(alone["state"]).result()
         assert (info.is_lora, info.lora_rank, info.train_mlp, info.train_unembed) == (True, rank, train_mlp,
                                                                                       train_unembed)
         service.close("success").result()

@@ -1,7 +1,7 @@
 """Response-token logprobs (and entropy) of a causal LM on a :class:`TokenBatch`.
 
 Three input layouts give the same numbers: padded rows, one packed row (``use_remove_padding``:
-no compute on pad tokens, which pays with a varlen attention kernel) and a shared prompt
+no compute on pad tokens; each sequence's attention its own, see :mod:`.packed_attention`) and a shared prompt
 prefix (GRPO's n samples of a prompt: the prompt runs once and its KV cache is expanded,
 differentiably, to every sample). Only the positions that predict response tokens go
 through the LM head.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from opentinker.engine.backend.packed_attention import packed_call_kwargs
 from opentinker.engine.backend.token_logprobs import logprobs_and_entropy
 from opentinker.engine.batch import ModelInputs, TokenBatch, packed_inputs, padded_inputs, shared_prefix_inputs
 
@@ -57,11 +58,18 @@ class ResponseScorer:
 
     def shares_prefix(self, batch: TokenBatch) -> bool:
         """Whether ``batch`` runs with its prompts once (two model calls: the prompts, then the
-        responses on their KV cache) rather than as padded rows (one call): only when enabled,
-        some prompt repeats, and some response has more than one token."""
-        repeated_prompts = len({tuple(p) for p in batch.prompt_ids}) < len(batch)
-        return (not self.use_remove_padding and self.share_prompt_prefix and repeated_prompts
-                and batch.response_width > 1)
+        responses, padded, on their KV cache) rather than in one call: only when enabled, some
+        prompt repeats and some response has more than one token, and, when rows may be packed
+        too, only if that computes fewer tokens than the packed row (many samples of long
+        prompts: the prompts once; ragged responses: the packed row)."""
+        prompts = {tuple(p) for p in batch.prompt_ids}
+        if not (self.share_prompt_prefix and len(prompts) < len(batch) and batch.response_width > 1):
+            return False
+        if not self.use_remove_padding:
+            return True
+        shared = len(prompts) * max(len(p) for p in prompts) + len(batch) * (batch.response_width - 1)
+        packed = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+        return shared < packed
 
     def _response_logits(self, model: PreTrainedModel, batch: TokenBatch, share_prefix: bool | None = None):
         """The logits at the positions that predict each response token: [B, r_i, V] pieces
@@ -76,12 +84,17 @@ class ResponseScorer:
         else:  # padded rows: the span of columns any row needs
             first = int(inputs.logit_cols.min())
             keep = torch.arange(first, int(inputs.logit_cols.max()) + 1)
+        position_ids = inputs.position_ids.to(self.device)
+        if inputs.attention_mask is None:  # each sequence attends to itself only, with no [T, T] mask
+            extra = packed_call_kwargs(model, position_ids) or {"attention_mask": None}
+        else:
+            extra = {"attention_mask": inputs.attention_mask.to(self.device)}
         logits = model(
             input_ids=inputs.input_ids.to(self.device),
-            position_ids=inputs.position_ids.to(self.device),
-            attention_mask=None if inputs.attention_mask is None else inputs.attention_mask.to(self.device),
+            position_ids=position_ids,
             logits_to_keep=keep.to(self.device),
             use_cache=False,
+            **extra,
         ).logits
         if inputs.attention_mask is None:
             return [logits.reshape(len(batch), batch.response_width, -1)], inputs.targets, inputs.valid

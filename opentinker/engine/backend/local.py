@@ -41,7 +41,7 @@ class LocalBackend:
         *,
         pad_token_id: int,
         with_reference: bool = False,
-        use_remove_padding: bool = False,
+        use_remove_padding: bool = True,
         share_prompt_prefix: bool = True,
         gradient_checkpointing: bool = False,
         lora: LoraSettings | None = None,

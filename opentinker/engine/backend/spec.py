@@ -63,7 +63,7 @@ class BackendSpec:
     device: str = "auto"
     trust_remote_code: bool = False
     with_reference: bool = False  # a frozen reference policy (for a KL term); with LoRA: the adapters off
-    use_remove_padding: bool = False  # pack rows without padding
+    use_remove_padding: bool = True  # pack rows without padding (forward.py picks per micro-batch)
     share_prompt_prefix: bool = True  # one prompt pass for rows that share it
     gradient_checkpointing: bool = False
     param_offload: bool = False  # fsdp: parameters on CPU between uses
