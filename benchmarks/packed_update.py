@@ -53,7 +53,7 @@ def row_mask_packing():
     from opentinker.engine.backend import forward
 
     kept = forward.packed_call_kwargs
-    forward.packed_call_kwargs = lambda model, position_ids: None
+    forward.packed_call_kwargs = lambda model, position_ids, device: None
     try:
         yield
     finally:

@@ -84,14 +84,13 @@ class ResponseScorer:
         else:  # padded rows: the span of columns any row needs
             first = int(inputs.logit_cols.min())
             keep = torch.arange(first, int(inputs.logit_cols.max()) + 1)
-        position_ids = inputs.position_ids.to(self.device)
         if inputs.attention_mask is None:  # each sequence attends to itself only, with no [T, T] mask
-            extra = packed_call_kwargs(model, position_ids) or {"attention_mask": None}
+            extra = packed_call_kwargs(model, inputs.position_ids, self.device) or {"attention_mask": None}
         else:
             extra = {"attention_mask": inputs.attention_mask.to(self.device)}
         logits = model(
             input_ids=inputs.input_ids.to(self.device),
-            position_ids=position_ids,
+            position_ids=inputs.position_ids.to(self.device),
             logits_to_keep=keep.to(self.device),
             use_cache=False,
             **extra,

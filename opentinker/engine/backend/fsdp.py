@@ -184,7 +184,7 @@ class FSDPRank:
                 None if entropy is None else entropy.detach().cpu())
 
     def optim_step(self, params: AdamParams) -> dict[str, float]:
-        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        parameters = self._trained_parameters()
         self.optimizer, metrics = clipped_adamw_step(self.optimizer, parameters, params, self._optimizer_on_device)
         self.step += not metrics["skipped_nonfinite"]
         return metrics
@@ -231,6 +231,10 @@ class FSDPRank:
         """The trained parameters' names, in the optimizer's order."""
         return [name for name, param in self.model.named_parameters() if param.requires_grad]
 
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps, in :meth:`_trained_names`' order."""
+        return [param for param in self.model.parameters() if param.requires_grad]
+
     def save_state(self, path: str) -> None:
         """Rank 0 writes the backends' one state file (``base.write_state_file``): the trained
         weights and optimizer state gathered whole into its host memory, so the checkpoint
@@ -255,7 +259,11 @@ class FSDPRank:
         """What a state file holds, on this rank's shard (every rank reads the file memory-mapped
         and takes its own part); returns the step. A folder of the sharded format written
         before the state file is read as it was written."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if (Path(path) / "dcp").is_dir():
             return self._load_sharded(path, with_optimizer)
@@ -270,7 +278,7 @@ class FSDPRank:
         set_model_state_dict(self.model, state["model"], options=full)
         self.optimizer = None  # saved before the first step (or not wanted): made at the next
         if state["optimizer"] is not None and with_optimizer:
-            self.optimizer = adamw_for(None, [p for p in self.model.parameters() if p.requires_grad], AdamParams(0.0))
+            self.optimizer = adamw_for(None, self._trained_parameters(), AdamParams(0.0))
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state_by_name(state["optimizer"], names),
                                      options=full)
         rank_rngs = state.get("rank_rngs") or []
@@ -287,7 +295,7 @@ class FSDPRank:
         extra = torch.load(Path(path) / f"rank{self.rank}.pt", weights_only=False)
         self.optimizer = None
         if extra["has_optimizer"]:
-            self.optimizer = adamw_for(None, [p for p in self.model.parameters() if p.requires_grad], AdamParams(0.0))
+            self.optimizer = adamw_for(None, self._trained_parameters(), AdamParams(0.0))
         optimizers = [self.optimizer] if self.optimizer else []
         model_state, optim_state = get_state_dict(self.model, optimizers)
         state = {"model": model_state, "optimizer": optim_state}

@@ -63,9 +63,11 @@ def _register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the calls without boundaries get sdpa's masks
 
 
-def packed_call_kwargs(model: torch.nn.Module, position_ids: torch.Tensor) -> dict[str, Any] | None:
-    """The extra arguments of a packed forward (``position_ids`` [1, T], each sequence from 0)
-    that make its attention per sequence; the model's sdpa attention becomes :data:`NAME`,
+def packed_call_kwargs(model: torch.nn.Module, position_ids: torch.Tensor,
+                       device: torch.device) -> dict[str, Any] | None:
+    """The extra arguments of a packed forward (``position_ids`` [1, T] on the host, each
+    sequence from 0; the boundaries are read there, so a GPU stream is not waited for, and
+    sent to ``device``) that make its attention per sequence; the model's sdpa attention becomes :data:`NAME`,
     which answers every other call as sdpa did. None for a model on another attention
     implementation (eager, flash), or with sliding-window layers or attention dropout: it
     takes the row as transformers packs it."""
@@ -79,8 +81,8 @@ def packed_call_kwargs(model: torch.nn.Module, position_ids: torch.Tensor) -> di
     if config._attn_implementation != NAME:
         return None
     flat = position_ids.reshape(-1)
-    starts = torch.nonzero(flat == 0).reshape(-1)
-    cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
+    cu = torch.cat([torch.nonzero(flat == 0).reshape(-1), torch.tensor([flat.numel()])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(device)
     return {"attention_mask": NO_MASKS, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
             "max_length_k": longest}

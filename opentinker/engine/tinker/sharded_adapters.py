@@ -120,10 +120,10 @@ class ShardedAdapterWorker:
 
         from opentinker.engine.model_loading import resolved_spec
 
-        if not (base.multi_adapter and base.strategy == "fsdp"):
-            raise ValueError("base: a ShardedAdapterWorker holds the shared base of multi_adapter specs with "
-                             f"strategy 'fsdp' (got multi_adapter={base.multi_adapter}, strategy {base.strategy!r})")
-        options = resolved_spec(base.shared_base())  # the model path and pad id once, for every rank
+        if base.strategy != "fsdp":
+            raise ValueError(f"base: a ShardedAdapterWorker shards a base with strategy 'fsdp', not {base.strategy!r}")
+        # shared_base() refuses a spec that is not multi_adapter; the model path and pad id once, for every rank
+        options = resolved_spec(base.shared_base())
         folder = offload_dir or tempfile.mkdtemp(prefix="opentinker-adapters-")
         self._group, self._ranks = place_ranks(AdapterRank, options, placement_timeout_s, max_resident, folder,
                                                   limits)
