@@ -39,14 +39,15 @@ def arithmetic_prompts(count: int) -> tuple[str, list[list[int]]]:
     return folder, [chat_prompt_ids(tokenizer, p.messages()) for p in make_problems(count, seed=3)]
 
 
-def transformers_engine(folder: str, device: torch.device, dtype: torch.dtype, compile_decode: bool = False):
+def transformers_engine(folder: str, device: torch.device, dtype: torch.dtype, compile_decode: bool = False,
+                        slot_decode: bool = False):
     from opentinker.engine.model_loading import eos_token_ids, load_causal_lm, load_tokenizer
     from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 
     tokenizer = load_tokenizer(folder)
     model = load_causal_lm(folder, dtype=dtype, device=device)
     return TransformersRolloutEngine(model, eos_token_ids(tokenizer, folder), tokenizer.pad_token_id, seed=0,
-                                     compile_decode=compile_decode)
+                                     compile_decode=compile_decode, slot_decode=slot_decode)
 
 
 def vllm_engine(folder: str, max_model_len: int, **kwargs):

@@ -16,10 +16,21 @@ from opentinker.engine.rollout.transformers_engine import TransformersRolloutEng
 
 
 @pytest.fixture
-def engine(tiny_model, tiny_tokenizer):
+def eager_engine(tiny_model, tiny_tokenizer):
+    """For the tests of :class:`.DecodeBatch` itself (the eager loop, which the Tinker sampler drives)."""
     return TransformersRolloutEngine(
         tiny_model, eos_token_ids=[tiny_tokenizer.eos_token_id], pad_token_id=tiny_tokenizer.pad_token_id, seed=0,
         tokenizer=tiny_tokenizer,
+    )
+
+
+@pytest.fixture(params=["eager", "slots"])
+def engine(request, tiny_model, tiny_tokenizer):
+    """Every test of ``generate`` runs on both decode loops: the eager one and the slot decode
+    (:mod:`.slot_decode`: per-row KV slots, each step on the device, CUDA graphs on a GPU)."""
+    return TransformersRolloutEngine(
+        tiny_model, eos_token_ids=[tiny_tokenizer.eos_token_id], pad_token_id=tiny_tokenizer.pad_token_id, seed=0,
+        tokenizer=tiny_tokenizer, slot_decode=request.param == "slots",
     )
 
 
@@ -121,7 +132,8 @@ def test_update_weights_streams_buckets_and_refuses_a_partial_sync(engine, make_
 
 
 def make_engine_like(engine, model):
-    return TransformersRolloutEngine(model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
+    return TransformersRolloutEngine(model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id,
+                                     slot_decode=engine.slot_decoder is not None)
 
 
 def test_concurrent_requests_are_batched_together(engine, arithmetic_prompt_ids):
@@ -169,7 +181,8 @@ def test_sampling_params_validation():
         SamplingParams(max_tokens=0)
 
 
-def test_sampler_draws_from_the_distribution(engine):
+def test_sampler_draws_from_the_distribution(eager_engine):
+    engine = eager_engine
     """20k draws from a known distribution: frequencies within 1.5 percentage points,
     and a token with probability zero (filtered to -inf) is never drawn."""
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
@@ -288,7 +301,8 @@ def _run(batch, completions: dict) -> None:
         completions.update(batch.step())
 
 
-def test_rows_that_join_a_running_batch_sample_as_they_would_alone(engine, arithmetic_prompt_ids):
+def test_rows_that_join_a_running_batch_sample_as_they_would_alone(eager_engine, arithmetic_prompt_ids):
+    engine = eager_engine
     """Seeded rows prefilled on their own and absorbed into a batch already 5 steps into its
     decode (their prompts shorter and longer than its width) give the tokens they give alone,
     and logprobs within 1e-5; so do the rows that were there first."""
@@ -314,7 +328,8 @@ def test_rows_that_join_a_running_batch_sample_as_they_would_alone(engine, arith
         assert torch.allclose(torch.tensor(got[tag].logprobs), torch.tensor(want.logprobs), atol=1e-5)
 
 
-def test_joining_drops_columns_that_are_padding_in_every_row(engine, arithmetic_prompt_ids):
+def test_joining_drops_columns_that_are_padding_in_every_row(eager_engine, arithmetic_prompt_ids):
+    engine = eager_engine
     """After the long rows leave, a late short row's join does not carry the old width along."""
     from opentinker.engine.rollout.decode_batch import DecodeBatch
 

@@ -55,6 +55,47 @@ def uniforms(generators: Sequence[torch.Generator | None], shared: torch.Generat
     return uniform
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` for ``x`` in [0, 2**32), in int64 without overflow (split in 16-bit halves)."""
+    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit integers that spreads every input bit over the output (the
+    "lowbias32" integer hash)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """A uniform number in [0, 1) (float64, 53 random bits) for each ``(seed, counter)`` pair of
+    int64 tensors: a pure function of the pair, so it needs no generator state. A row that
+    samples its token ``k`` with ``counter_uniform(seed, k)`` draws alike in any batch, on any
+    device, inside a CUDA graph, with no host round trip (:mod:`.slot_decode`)."""
+    low, high = seed & _MASK32, (seed >> 32) & _MASK32
+    first = _mix32(_mix32(_mix32(counter & _MASK32) ^ low) ^ high)
+    second = _mix32(first ^ 0x9E3779B9)
+    return ((first >> 5) * 67108864 + (second >> 6)).double() / 9007199254740992.0
+
+
+def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, uniform: torch.Tensor, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_tokens` with every setting a tensor and the uniform numbers given: no
+    branch on the rows' values, so one captured graph serves any mix of rows (``filtered``:
+    whether top-k/top-p filtering runs at all). Greedy rows have temperature 1."""
+    logits = logits.float() / temperature.unsqueeze(-1)
+    token_logprobs = torch.log_softmax(logits, dim=-1)
+    sample_logits = filter_top_k_top_p(logits, top_k, top_p) if filtered else logits
+    chosen = torch.where(greedy, logits.argmax(-1), inverse_cdf(sample_logits, uniform))
+    return chosen, token_logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+
+
 _PER_ROW = ("temperature", "greedy", "top_k", "top_p", "max_tokens", "stop_ids")
 
 

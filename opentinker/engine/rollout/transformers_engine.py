@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSource, named_tensors
 from opentinker.engine.rollout.compiled_decode import CompiledDecode
 from opentinker.engine.rollout.decode_batch import DecodeBatch
+from opentinker.engine.rollout.slot_decode import SlotDecoder
 
 #: ``on_tokens(rows, tokens)`` of :meth:`TransformersRolloutEngine.generate`.
 TokenCallback = Callable[[list[int], list[int]], None]
@@ -44,7 +45,10 @@ class TransformersRolloutEngine:
         max_batch_size: int = 256,
         tokenizer: PreTrainedTokenizerBase | None = None,
         compile_decode: bool = False,
+        slot_decode: bool = False,
     ):
+        if compile_decode and slot_decode:
+            raise ValueError("TransformersRolloutEngine: compile_decode and slot_decode are two decode loops; pick one")
         self.model = model.eval()
         # torch.compile'd decode steps (:mod:`.compiled_decode`); None: the eager step.
         self.compiled_decode = CompiledDecode(self.model) if compile_decode else None
@@ -54,6 +58,8 @@ class TransformersRolloutEngine:
         self.device = next(model.parameters()).device
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self.tokenizer = tokenizer  # only to match stop strings
+        # Per-row KV slots, one device-side step per token, CUDA graphs on a GPU (:mod:`.slot_decode`).
+        self.slot_decoder = SlotDecoder(self, max_rows=max_batch_size) if slot_decode else None
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: torch.device | str = "cpu", trust_remote_code: bool = False,
@@ -119,6 +125,8 @@ class TransformersRolloutEngine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} sampling params")
+        if self.slot_decoder is not None:
+            return self.slot_decoder.generate(prompts, params, on_tokens)
         completions: list[Completion | None] = [None] * len(prompts)
         for start in range(0, len(prompts), self.max_batch_size):
             end = min(start + self.max_batch_size, len(prompts))
