@@ -1,14 +1,15 @@
-"""The compiled decode step against the eager one, side by side in one process.
+"""The compiled decode step and the slot decode against the eager loop, side by side in one process.
 
-    python benchmarks/compiled_decode.py [--rows 64] [--tokens 64] [--rounds 5] [--device cuda --shape qwen05b]
+    python benchmarks/compiled_decode.py [--rows 64] [--tokens 64] [--rounds 5] [--decode compiled,slots]
+                                         [--device cuda --shape qwen05b]
 
-Two engines on the same weights, one with ``compile_decode=True`` (see
-``opentinker/engine/rollout/compiled_decode.py``). Prints what the first compiled call costs
-(the compile: about as long in every new process, the on-disk cache warm or not), whether greedy
-decoding gives the same tokens, the largest gap between the two engines' logprobs of those
-tokens, and each engine's tokens/s (median of ``--rounds`` rounds, the two engines taking turns
-so that both see the same machine load), sampled at temperature 1 with exactly ``--tokens``
-tokens per row.
+Engines on the same weights: the eager one, one with ``compile_decode=True``
+(``opentinker/engine/rollout/compiled_decode.py``) and one with ``slot_decode=True``
+(``opentinker/engine/rollout/slot_decode.py``: CUDA graphs on a GPU). For each of the latter,
+prints what its first call costs (the compile, or the graph captures), whether greedy decoding
+gives the eager tokens, the largest gap between the logprobs of those tokens, and tokens/s
+(median of ``--rounds`` rounds, the engines taking turns so that all see the same machine
+load), sampled at temperature 1 with exactly ``--tokens`` tokens per row.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def prompts_of(rows: int, groups: int = 8) -> list[list[int]]:
 
 
 def compare(eager, compiled, prompts: list[list[int]], tokens: int, rounds: int) -> dict:
-    """First compiled call's seconds, greedy agreement and tokens/s of both engines."""
+    """The other engine's (``compiled``: compiled or slot decode) first call's seconds, its
+    greedy agreement with the eager engine and both engines' tokens/s."""
     greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -70,6 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decode", default="compiled,slots", help="comma-separated, of compiled, slots")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", choices=["tiny", "qwen05b"], default="tiny",
                         help="qwen05b: Qwen2.5-0.5B's shape, random weights (bf16 on cuda)")
@@ -83,16 +86,19 @@ def main() -> None:
 
         folder = qwen25_05b_folder()
     eager = transformers_engine(folder, device, dtype)
-    compiled = transformers_engine(folder, device, dtype, compile_decode=True)
-    result = compare(eager, compiled, prompts_of(args.rows), args.tokens, args.rounds)
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads; {args.shape} model, "
           f"{args.rows} rows x {args.tokens} tokens")
-    print(f"first compiled call (compile + decode): {result['first_call_s']:.1f} s")
-    print(f"greedy: {result['same_rows']}/{result['rows']} rows give the same tokens; largest logprob gap "
-          f"{result['logprob_gap']:.1e}")
-    print(f"tokens/s, median of {args.rounds}: eager {result['eager_tok_s']:,.0f}, compiled "
-          f"{result['compiled_tok_s']:,.0f}: x{result['compiled_tok_s'] / result['eager_tok_s']:.2f}")
-
+    for decode in [name.strip() for name in args.decode.split(",") if name.strip()]:
+        other = transformers_engine(folder, device, dtype, **{"compiled": {"compile_decode": True},
+                                                               "slots": {"slot_decode": True}}[decode])
+        result = compare(eager, other, prompts_of(args.rows), args.tokens, args.rounds)
+        first = "compile" if decode == "compiled" else "graph captures" if device.type == "cuda" else "pool"
+        print(f"[{decode}] first call ({first} + decode): {result['first_call_s']:.1f} s")
+        print(f"[{decode}] greedy: {result['same_rows']}/{result['rows']} rows give the eager tokens; largest "
+              f"logprob gap {result['logprob_gap']:.1e}")
+        print(f"[{decode}] tokens/s, median of {args.rounds}: eager {result['eager_tok_s']:,.0f}, {decode} "
+              f"{result['compiled_tok_s']:,.0f}: x{result['compiled_tok_s'] / result['eager_tok_s']:.2f}")
+        del other
 
 if __name__ == "__main__":
     main()

@@ -24,8 +24,11 @@ Checks (``--only`` picks some):
 * ``lora``: the same update with LoRA rank 32 on every linear layer.
 * ``rollout``: the transformers rollout engine, bf16, 64 and 256 prompts of 128 tokens + 256
   generated (``ignore_eos``), tokens/s against the decode's memory bound (every step reads all
-  weights and each row's KV cache at the measured bandwidth); then the compiled decode
-  (``compile_decode=True``) against it on 64 rows (``benchmarks/compiled_decode.py``).
+  weights and each row's KV cache at the measured bandwidth): the eager loop, the slot decode
+  (``slot_decode=True``: CUDA graphs per row bucket) and the peer, transformers'
+  ``generate(cache_implementation="static")`` (which compiles), on the same prompts; the slot
+  decode's greedy tokens against the eager loop's; then the compiled decode
+  (``compile_decode=True``) against the eager loop on 64 rows (``benchmarks/compiled_decode.py``).
 * ``adapters``: the Tinker multi-tenant worker, 4 LoRA models on one 0.5B base, one batched
   forward_backward + optim_step of all four; then each model's request of mixed row lengths
   (one row of 1,000 tokens and 31 of 16: padded to one pass that would be 32 x 1,000), the
@@ -228,23 +231,44 @@ def check_fsdp(state: dict) -> None:
 
 
 def check_rollout(state: dict) -> None:
-    from rollout_throughput import decode_bound, tokens_per_second, transformers_engine
+    from compiled_decode import compare
+    from rollout_throughput import decode_bound, static_generate, tokens_per_second, transformers_engine
 
     free_memory()
-    engine = transformers_engine(state["folder"], torch.device("cuda"), torch.bfloat16)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    eager = transformers_engine(state["folder"], cuda, bf16)
     generator = torch.Generator().manual_seed(1)
     tokens = 256
     for batch in (64, 256):
         prompts = torch.randint(3, TOKEN_HIGH, (batch, PROMPT), generator=generator).tolist()
-        rate = tokens_per_second(engine, prompts, tokens, rounds=2)
+        shape = f"{batch} x ({PROMPT} + {tokens})"
         bound = decode_bound(state["folder"], batch, PROMPT, tokens, state["bandwidth"])
-        row("rollout", f"transformers bf16, {batch} x ({PROMPT} + {tokens})",
-            f"{rate:,.0f} tok/s = {rate / bound:.1%} of bound", f"bound {bound:,.0f}; goal >= 50%")
-    from compiled_decode import compare
-
-    compiled = transformers_engine(state["folder"], torch.device("cuda"), torch.bfloat16, compile_decode=True)
+        rate = tokens_per_second(eager, prompts, tokens, rounds=2)
+        row("rollout", f"eager decode, {shape}", f"{rate:,.0f} tok/s = {rate / bound:.1%} of bound",
+            f"bound {bound:,.0f}")
+        slots = transformers_engine(state["folder"], cuda, bf16, slot_decode=True)
+        start = time.perf_counter()
+        ours = tokens_per_second(slots, prompts, tokens, rounds=2)
+        total = time.perf_counter() - start
+        decoder = slots.slot_decoder
+        attention = ("CUDA graphs" if decoder.graphs_enabled else f"no graphs: {decoder.graph_error}") + (
+            ", varlen flash" if decoder.varlen else ", sdpa")
+        del slots
+        free_memory()
+        peer_first, peer = static_generate(state["folder"], prompts, tokens)
+        row("rollout", f"slot decode ({attention}), {shape}",
+            f"{ours:,.0f} tok/s = {ours / bound:.1%} of bound = x{ours / peer:.2f} generate(static)",
+            f"goal >= 25% and >= x2; x{ours / rate:.2f} eager; 3 calls {total:.0f} s with the captures")
+        row("rollout", f"peer: generate(cache_implementation=static), {shape}", f"{peer:,.0f} tok/s",
+            f"first call {peer_first:.0f} s (transformers compiles)")
+    slots = transformers_engine(state["folder"], cuda, bf16, slot_decode=True)
     prompts = torch.randint(3, TOKEN_HIGH, (64, PROMPT), generator=generator).tolist()
-    result = compare(engine, compiled, prompts, tokens, rounds=2)
+    result = compare(eager, slots, prompts, tokens, rounds=1)
+    row("rollout", f"slot decode vs eager, greedy, 64 x ({PROMPT} + {tokens})",
+        f"same tokens {result['same_rows']}/64", f"logprob gap {result['logprob_gap']:.0e} (bf16)")
+    del slots
+    compiled = transformers_engine(state["folder"], cuda, bf16, compile_decode=True)
+    result = compare(eager, compiled, prompts, tokens, rounds=2)
     row("rollout", f"compiled decode, 64 x ({PROMPT} + {tokens})",
         f"{result['compiled_tok_s']:,.0f} tok/s = x{result['compiled_tok_s'] / result['eager_tok_s']:.2f} of eager",
         f"first call {result['first_call_s']:.0f} s; greedy same {result['same_rows']}/64, "

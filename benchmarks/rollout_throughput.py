@@ -68,6 +68,38 @@ def tokens_per_second(engine, prompts: list[list[int]], tokens: int, rounds: int
     return len(prompts) * tokens / statistics.median(seconds)
 
 
+def static_generate(folder: str, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """The peer on a GPU: transformers' ``generate(cache_implementation="static")`` (sampled,
+    exactly ``tokens`` new tokens per row) on a bf16 copy of the model: its first call's
+    seconds (transformers compiles the decode step) and tokens/s of the second."""
+    import signal
+
+    from opentinker.engine.model_loading import load_causal_lm
+
+    model = load_causal_lm(folder, dtype=torch.bfloat16, device="cuda").eval()
+    ids = torch.tensor(prompts, device="cuda")
+    options = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, pad_token_id=0,
+                   attention_mask=torch.ones_like(ids), cache_implementation="static")
+    seconds = []
+
+    def give_up(*_):
+        raise TimeoutError("generate(static) took over 300 s")
+
+    signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(300)  # a compile that hangs must not hold the machine
+    try:
+        for _ in range(2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, **options)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+    finally:
+        signal.alarm(0)
+    del model
+    return seconds[0], len(prompts) * tokens / seconds[1]
+
+
 def measured_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy (read + write)."""
     source = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")

@@ -109,6 +109,9 @@ DEFAULTS: dict[str, Any] = {
             # transformers engine: decode steps through torch.compile (one graph per run, cached
             # on disk); false: the eager step (debugging). See rollout/compiled_decode.py.
             "compile_decode": False,
+            # transformers engine: per-row KV slots, each decode step on the device, CUDA graphs on
+            # a GPU (rollout/slot_decode.py); not with compile_decode.
+            "slot_decode": False,
             "val_temperature": 0.0,  # greedy validation
             "val_n": 1,  # samples per validation prompt; > 1 (with val_temperature > 0) reports pass@k
             "ignore_eos": False,  # always generate data.max_response_length tokens (benchmarks)

@@ -119,6 +119,7 @@ class RolloutSpec:
     max_model_len: int | None
     max_batch_size: int
     compile_decode: bool
+    slot_decode: bool
     val_temperature: float
     val_n: int
     ignore_eos: bool
@@ -349,6 +350,9 @@ def cross_field_problem(spec: RecipeSpec, gpus: bool | None = None) -> tuple[str
     if data.train_batch_size % actor.ppo_mini_batch_size:
         return "data.train_batch_size", (f"data.train_batch_size ({data.train_batch_size}) must be a multiple of "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size})")
+    if rollout.compile_decode and rollout.slot_decode:
+        return "actor_rollout_ref.rollout.slot_decode", ("actor_rollout_ref.rollout.compile_decode and "
+                "actor_rollout_ref.rollout.slot_decode are two decode loops: set one of them")
     if rollout.val_n > 1 and rollout.val_temperature == 0:
         return "actor_rollout_ref.rollout.val_temperature", ("actor_rollout_ref.rollout.val_n > 1 needs actor_rollout_ref.rollout.val_temperature > 0 "
                 "(greedy samples would all be the same)")

@@ -68,13 +68,13 @@ def rollout_engine(cfg: RecipeSpec, model_path: str, tokenizer: Any, eos_ids: An
         return RemoteRolloutEngine(
             str(model_path), seed=cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size, threads=1,
             device=device.type, trust_remote_code=ar.model.trust_remote_code,
-            compile_decode=ar.rollout.compile_decode)
+            compile_decode=ar.rollout.compile_decode, slot_decode=ar.rollout.slot_decode)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_causal_lm(model_path, dtype=dtype, device=device, trust_remote_code=ar.model.trust_remote_code)
     return make_rollout_engine(
         "transformers", model=model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
         seed=cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size, tokenizer=tokenizer,
-        compile_decode=ar.rollout.compile_decode)
+        compile_decode=ar.rollout.compile_decode, slot_decode=ar.rollout.slot_decode)
 
 
 def shared_gpu_warning(device_type: str) -> str | None:

@@ -33,9 +33,12 @@ def test_reward_lands_on_the_last_model_token():
     assert rewards.tolist() == [[0, 1.0, 0, 0], [0, 0, 2.0, 0], [3.0, 0, 0, 0]]
 
 
-def test_step_reports_every_phase_and_trains(tiny_model_dir):
+@pytest.mark.parametrize("decode", ["eager", "slots"])
+def test_step_reports_every_phase_and_trains(tiny_model_dir, decode):
     trainer = RLTrainer(make_config([*FAST, "actor_rollout_ref.actor.use_kl_loss=true",
-                                     "actor_rollout_ref.actor.optim.lr=1e-3"]))
+                                     "actor_rollout_ref.actor.optim.lr=1e-3",
+                                     f"actor_rollout_ref.rollout.slot_decode={str(decode == 'slots').lower()}"]))
+    assert (trainer.rollout.slot_decoder is not None) == (decode == "slots")
     before = {k: v.clone() for bucket in trainer.backend.weights() for k, v in bucket}
     metrics = trainer.step()
     for key in ("reward/mean", "reward/std", "actor/kl", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm",

@@ -46,6 +46,8 @@ INVALID = [  # (config, the job's mode, what the 400 must name)
     ({"data.train_batch_size": 3}, "server",
      "data.train_batch_size (3) must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (2)"),
     ({"actor_rollout_ref.rollout.val_n": 2}, "server", "val_n > 1 needs actor_rollout_ref.rollout.val_temperature > 0"),
+    ({"actor_rollout_ref.rollout.compile_decode": True, "actor_rollout_ref.rollout.slot_decode": True}, "server",
+     "compile_decode and actor_rollout_ref.rollout.slot_decode are two decode loops"),
     ({"actor_rollout_ref.actor.strategy": "fsdp"}, "server",
      "actor_rollout_ref.actor.strategy=fsdp needs trainer.n_gpus_per_node >= 1"),
     ({"algorithm.rollout_correction.rollout_rs": "token"}, "server",

@@ -22,7 +22,7 @@ class _EngineHost:
     """The actor's body: a :class:`TransformersRolloutEngine` built from a model folder."""
 
     def __init__(self, model_path: str, *, seed: int, max_batch_size: int, threads: int, device: str,
-                 trust_remote_code: bool, compile_decode: bool = False):
+                 trust_remote_code: bool, compile_decode: bool = False, slot_decode: bool = False):
         from opentinker.engine.model_loading import eos_token_ids, load_causal_lm, load_tokenizer
         from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -33,7 +33,8 @@ class _EngineHost:
         model = load_causal_lm(model_path, dtype=dtype, device=torch.device(device), trust_remote_code=trust_remote_code)
         self.engine = TransformersRolloutEngine(
             model, eos_token_ids(tokenizer, model_path), tokenizer.pad_token_id, seed=seed,
-            max_batch_size=max_batch_size, tokenizer=tokenizer, compile_decode=compile_decode)
+            max_batch_size=max_batch_size, tokenizer=tokenizer, compile_decode=compile_decode,
+            slot_decode=slot_decode)
 
     def generate(self, prompts, params) -> list[Completion]:
         return self.engine.generate(prompts, params)
@@ -61,6 +62,7 @@ class RemoteRolloutEngine:
 
     def __init__(self, model_path: str, *, seed: int = 0, max_batch_size: int = 256, threads: int = 1,
                  device: str = "cpu", trust_remote_code: bool = False, compile_decode: bool = False,
+                 slot_decode: bool = False,
                  placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
         from ray.util.placement_group import placement_group
@@ -81,7 +83,7 @@ class RemoteRolloutEngine:
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=0),
         ).remote(model_path, seed=seed, max_batch_size=max_batch_size, threads=threads, device=device,
-                 trust_remote_code=trust_remote_code, compile_decode=compile_decode)
+                 trust_remote_code=trust_remote_code, compile_decode=compile_decode, slot_decode=slot_decode)
         self._pending: list = []  # weight updates not yet known to have applied
         self.pid = ray.get(self._actor.pid.remote())
 

@@ -29,6 +29,7 @@ seed drawn from the engine's generator when the row is admitted.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from opentinker.engine.rollout.base import Completion, SamplingParams
 from opentinker.engine.rollout.compiled_decode import can_compile
 from opentinker.engine.rollout.kv_cache import in_place_cache
 from opentinker.engine.rollout.sampling import choose_tokens, counter_uniform
+
+log = logging.getLogger(__name__)
 
 #: The attention implementation of a slot-decoding model: slot attention in a slot step,
 #: transformers' sdpa in every other call (the prefill).
@@ -99,6 +102,22 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 AttentionInterface.register(SLOT_ATTENTION, slot_attention)
 AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)
+
+
+def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch build's varlen flash kernel takes a KV cache with per-row lengths
+    (``seqused_k``) on this device; else slot attention is sdpa over a mask."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    try:
+        query, key = torch.zeros(2, 4, 64, dtype=dtype, device=device), torch.zeros(16, 2, 64, dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+        varlen_attn(query, key, key, cu, cu * 8, 1, 8, enable_gqa=True,
+                    seqused_k=torch.tensor([3, 5], dtype=torch.int32, device=device))
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure means: not here
+        log.warning("slot_decode: varlen flash attention with seqused_k is unavailable (%s); using sdpa", error)
+        return False
 
 
 class _SlotWriter:
@@ -167,7 +186,9 @@ class SlotDecoder:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_rows, self.sync_every = max_rows, sync_every
         self.graphs_enabled = self.device.type == "cuda" if graphs is None else graphs
-        self.varlen = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        self.graph_error: str | None = None  # why capturing failed, if it did
+        self.varlen = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) and _varlen_works(
+            self.device, self.dtype)
         self.pool: SlotPool | None = None
         self._graphs: dict[tuple[int, bool], Any] = {}
         self._graph_pool = None
@@ -217,7 +238,7 @@ class SlotDecoder:
             self._graph_pool = torch.cuda.graph_pool_handle()
         for rows in reversed(row_buckets(self.pool.slots)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
                 self._step(rows, filtered, self.pool.columns)
             self._graphs[(rows, filtered)] = graph
         torch.cuda.synchronize()
@@ -239,9 +260,15 @@ class SlotDecoder:
                 new_tokens, stop_width = max(new_tokens, old.new_tokens), max(stop_width, old.stop_width)
             self.pool, self._graphs = None, {}
             self.pool = SlotPool(self.model.config, slots, columns, new_tokens, stop_width, self.dtype, self.device)
+        self.pool.active.zero_()  # a call that failed half-way may have left rows running
         self._filtered = any(p.top_k > 0 or p.top_p < 1 for p in params)
         if self.graphs_enabled and (self.pool.slots, self._filtered) not in self._graphs:
-            self._capture(self._filtered)
+            try:
+                self._capture(self._filtered)
+            except Exception as error:  # the same steps, launched one kernel at a time
+                self.graphs_enabled, self.graph_error = False, f"{type(error).__name__}: {error}"
+                self._graphs = {}
+                log.warning("slot_decode: CUDA graph capture failed (%s); decoding without graphs", self.graph_error)
         return stop_sets
 
     @torch.no_grad()
