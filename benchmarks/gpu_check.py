@@ -14,8 +14,9 @@ Checks (``--only`` picks some):
 * ``hardware``: the GPU's bf16 matmul rate (8192^3) and its memory bandwidth (a 2 GiB copy):
   the peaks the rows below are measured against.
 * ``update``: one full fine-tuning update on the 0.5B shape with ``LocalBackend`` (fp32 master
-  weights, bf16 autocast): 64 rows of 128 prompt + 512 response tokens, micro-batches of 16,
-  then AdamW. MFU = ``6 * parameters * tokens / seconds`` over the dense bf16 peak (attention
+  weights, bf16 autocast on bf16 weight copies cast once per step, ``weight_casts.py``): 64 rows
+  of 128 prompt + 512 response tokens, micro-batches of 16, then fused AdamW; then the same
+  with autocast casting the weights in every micro-batch (the code before). MFU = ``6 * parameters * tokens / seconds`` over the dense bf16 peak (attention
   FLOPs left out: an underestimate).
 * ``packed``: padded against packed micro-batches (``use_remove_padding``: each sequence's
   attention its own, one varlen flash kernel) on ragged rows (responses of 64 to 512 tokens),
@@ -150,6 +151,12 @@ def check_update(state: dict, lora=None, check: str = "update") -> None:
                   "" if lora is None else "(frozen base: 6N overcounts ~1/3)")
     if lora is None:
         state["update_s"] = seconds
+        casts, backend.weight_casts = backend.weight_casts, None  # autocast casting every micro-batch
+        before = timed_updates(lambda b: backend.forward_backward(b, "cross_entropy"),
+                               lambda: backend.optim_step(AdamParams(lr=1e-6, grad_clip=1.0)), state["batch"])
+        backend.weight_casts = casts
+        row(check, "without cached weight casts (autocast's per micro-batch)", f"{before:.2f} s",
+            f"cached casts x{before / seconds:.2f} faster")
     elif "update_s" in state:
         row(check, "LoRA / full update time", f"x{seconds / state['update_s']:.2f}")
     backend.close()

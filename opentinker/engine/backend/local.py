@@ -26,6 +26,7 @@ from opentinker.engine.backend.base import (
 from opentinker.engine.backend.forward import scorer_for
 from opentinker.engine.backend.lora import LoraSettings, add_adapters, merge_plan, merged_state_dict, merged_tensor
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
+from opentinker.engine.backend.weight_casts import CastWeights
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing
 from opentinker.engine.weight_buckets import bucketed
@@ -58,6 +59,11 @@ class LocalBackend:
         self.scorer = scorer_for(
             value_head, pad_token_id, self.device, use_remove_padding, share_prompt_prefix and not gradient_checkpointing
         )
+        # On a GPU the model runs under bf16 autocast: its linear weights are cast once per
+        # change, not once per micro-batch (weight_casts.py). None: autocast's own casts.
+        on_gpu = self.device.type == "cuda"
+        self.weight_casts = CastWeights(self.model) if on_gpu else None
+        self.reference_casts = CastWeights(self.reference) if on_gpu and self.reference is not None else None
         self.optimizer: torch.optim.AdamW | None = None  # made at the first step: its settings come with it
         self.step = 0
 
@@ -69,10 +75,11 @@ class LocalBackend:
         if reference and not self.with_reference:
             raise RuntimeError("forward(reference=True) but this backend has no reference model")
         model = self.reference if reference and self.reference is not None else self.model
+        casts = self.reference_casts if model is self.reference else self.weight_casts
         was_training = model.training
         model.eval()
         with self.model.disable_adapter() if reference and self.lora else contextlib.nullcontext():
-            logprobs, entropy = self.scorer(model, batch, temperature, with_entropy, entropy_grad=False)
+            logprobs, entropy = self.scorer(model if casts is None else casts, batch, temperature, with_entropy, entropy_grad=False)
         model.train(was_training)
         return ForwardOutput(logprobs.cpu(), None if entropy is None else entropy.cpu())
 
@@ -89,7 +96,7 @@ class LocalBackend:
         check_inputs(spec, batch.tensors, tuple(batch.response_mask.shape))
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
-        logprobs, entropy = self.scorer(self.model, batch, temperature, need_entropy,
+        logprobs, entropy = self.scorer(self.model if self.weight_casts is None else self.weight_casts, batch, temperature, need_entropy,
                                         entropy_grad=spec.needs_entropy(config))
         out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
         out.loss.backward()
@@ -108,6 +115,8 @@ class LocalBackend:
         poison the weights). Gradients are cleared either way."""
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, metrics = clipped_adamw_step(self.optimizer, parameters, params)
+        if self.weight_casts is not None:
+            self.weight_casts.clear()  # stale now: free their memory before the rollout
         self.step += not metrics["skipped_nonfinite"]
         return metrics
 
