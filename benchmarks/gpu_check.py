@@ -35,6 +35,9 @@ Checks (``--only`` picks some):
   (one row of 1,000 tokens and 31 of 16: padded to one pass that would be 32 x 1,000), the
   passes cut by padded tokens (``pass_plan``): peak GPU memory over the idle worker per real
   token.
+* ``trl``: one GRPO step of ours (slot decode) against TRL's ``GRPOTrainer`` on the 0.5B shape,
+  same prompts, tokens and batch (``benchmarks/grpo_vs_trl.py --device cuda``); needs trl,
+  accelerate and datasets (``WHEELS=``), else the row says it was skipped.
 * ``grpo`` / ``gae``: a few steps of the quickstart's GRPO (and of PPO with a critic) on the
   tiny model with ``trainer.device=cuda``: the recipe end to end on the GPU.
 """
@@ -368,9 +371,30 @@ def check_gae(state: dict) -> None:  # the default actor lr (1e-6) barely moves 
     run_recipe("gae", ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-4"])
 
 
+def check_trl(state: dict) -> None:
+    """One GRPO step of ours (slot decode) vs TRL's GRPOTrainer on the 0.5B shape, same prompts,
+    tokens and batch (``benchmarks/grpo_vs_trl.py --device cuda``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        row("trl", "skipped: trl is not installed", "", "WHEELS= with trl, accelerate, datasets and theirs")
+        return
+    import grpo_vs_trl
+
+    free_memory()
+    results: dict = {}
+    grpo_vs_trl.main(["--device", "cuda", "--model", state["folder"], "--steps", "3",
+                      "--ours-override", "actor_rollout_ref.rollout.slot_decode=true"], results)
+    ours, theirs = (statistics.median(results[name]["seconds"]) for name in ("ours", "trl"))
+    row("trl", f"GRPO step, {grpo_vs_trl.PROMPTS_PER_STEP} x {grpo_vs_trl.SAMPLES_PER_PROMPT} x "
+        f"{grpo_vs_trl.MAX_NEW_TOKENS} tokens, 0.5B shape", f"ours {ours:.2f} s, TRL {theirs:.2f} s = x{theirs / ours:.2f}",
+        "goal >= x2")
+
+
 CHECKS = {"hardware": check_hardware, "update": check_update, "packed": check_packed, "rollout": check_rollout,
-          "grpo": check_grpo, "fsdp": check_fsdp, "lora": check_lora, "adapters": check_adapters, "gae": check_gae}
-NEEDS_MODEL = {"update", "packed", "rollout", "fsdp", "lora", "adapters"}
+          "grpo": check_grpo, "fsdp": check_fsdp, "lora": check_lora, "adapters": check_adapters, "gae": check_gae,
+          "trl": check_trl}
+NEEDS_MODEL = {"update", "packed", "rollout", "fsdp", "lora", "adapters", "trl"}
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """Seconds per GRPO step: opentinker's RLTrainer vs TRL's GRPOTrainer, same model, same work.
 
-Both trainers run in this one process, on CPU, in float32, with the same settings:
+Both trainers run in this one process, on CPU in float32 (``--device cuda``: on a GPU, fp32
+weights under bf16 autocast for both), with the same settings:
 
 * the same tiny model (the embedded one by default, ``--model PATH`` to override);
 * the same prompts: rows of the built-in arithmetic task, taken in order (no shuffling), so
@@ -19,7 +20,7 @@ Both trainers run in this one process, on CPU, in float32, with the same setting
 Each trainer does one untimed warm-up step, then ``--steps`` timed steps. Run:
 
     python benchmarks/grpo_vs_trl.py [--steps 5] [--model PATH] [--natural-stop] [--threads N]
-                                     [--only ours|trl] [--ours-override KEY=VALUE ...]
+                                     [--only ours|trl] [--ours-override KEY=VALUE ...] [--device cuda]
 
 Needs ``trl`` (``pip install trl``), which pulls accelerate and datasets.
 """
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--natural-stop", action="store_true", help="let completions stop at eos instead of forcing 64 tokens"
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: CPU count)")
     parser.add_argument(
         "--only", choices=["ours", "trl"], default=None, help="run one side only (for profiling)"
@@ -135,7 +137,7 @@ def run_ours(model_path: str, rows: list[dict], reward_fn, args: argparse.Namesp
         f"actor_rollout_ref.actor.optim.weight_decay={WEIGHT_DECAY}",
         f"actor_rollout_ref.actor.optim.betas=[{BETAS[0]},{BETAS[1]}]",
         "actor_rollout_ref.actor.optim.warmup_style=constant",
-        "trainer.device=cpu",
+        f"trainer.device={args.device}",
         f"trainer.seed={SEED}",
         f"trainer.total_training_steps={total}",
         "trainer.progress_bar=false",
@@ -256,9 +258,9 @@ def run_trl(model_path: str, rows: list[dict], args: argparse.Namespace) -> dict
         optim="adamw_torch",
         lr_scheduler_type="constant",
         warmup_steps=0,
-        # CPU, float32, no checkpointing / vLLM / logging / saving
-        use_cpu=True,
-        bf16=False,
+        # float32 weights (bf16 autocast on a GPU), no checkpointing / vLLM / logging / saving
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
         fp16=False,
         gradient_checkpointing=False,
         use_vllm=False,
@@ -323,7 +325,9 @@ def run_trl(model_path: str, rows: list[dict], args: argparse.Namespace) -> dict
 
 
 # -- main -------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, results: dict[str, dict] | None = None) -> int:
+    """Runs the comparison and prints it; ``results`` (when given) receives each side's
+    ``seconds`` per timed step, ``lengths`` and ``phases``."""
     args = parse_args(argv)
     args.threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(args.threads)
@@ -361,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     say("GRPO step time: opentinker RLTrainer vs TRL GRPOTrainer")
     say("settings:")
     say(f"  model                 {model_path}" + (f"  ({n_params / 1e6:.2f}M params)" if n_params else ""))
-    say(f"  device / dtype        cpu / float32, torch threads {args.threads} (os.cpu_count()={os.cpu_count()})")
+    dtype = "fp32 weights, bf16 autocast" if args.device == "cuda" else "float32"
+    say(f"  device / dtype        {args.device} / {dtype}, torch threads {args.threads} (os.cpu_count()={os.cpu_count()})")
     say(f"  batch                 {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples = "
         f"{PROMPTS_PER_STEP * SAMPLES_PER_PROMPT} completions/step, 1 optimizer update/step")
     say(f"  generation            max {MAX_NEW_TOKENS} new tokens, temperature {TEMPERATURE}, top_p 1.0, top_k off, "
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"  versions              python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, trl {trl_version}")
 
-    results: dict[str, dict] = {}
+    results = {} if results is None else results
     if args.only in (None, "ours"):
         say("\n[ours] opentinker RLTrainer")
         torch.set_num_threads(args.threads)
