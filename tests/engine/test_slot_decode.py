@@ -125,6 +125,18 @@ def test_the_pool_is_reused_when_a_call_fits_and_grows_when_one_does_not(slots, 
     assert slots.generate(arithmetic_prompt_ids[:2], small) == first  # old rows, new pool: the same
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+def test_a_step_never_waits_for_the_host(slots, arithmetic_prompt_ids, filtered):
+    """What a CUDA graph needs (and what makes a step cost no host round trip): the whole step,
+    sampling, bookkeeping and forward pass, traces as one graph (``fullgraph=True`` fails on any
+    ``.item()``, ``bool(tensor)`` or data-dependent shape). Traced only (``backend="eager"``)."""
+    slots.generate(arithmetic_prompt_ids[:3], SamplingParams(max_tokens=4))
+    decoder = slots.slot_decoder
+    step = torch.compile(decoder._step, fullgraph=True, dynamic=False, backend="eager")
+    with torch.no_grad():
+        step(4, filtered, decoder.pool.columns)
+
+
 def test_two_decode_loops_at_once_are_refused(tiny_model, tiny_tokenizer):
     with pytest.raises(ValueError, match="pick one"):
         make_engine(tiny_model, tiny_tokenizer, slot_decode=True, compile_decode=True)
