@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opentinker.engine.rollout import SamplingParams
-from opentinker.engine.rollout.sampling import choose_tokens, counter_uniform
+from opentinker.engine.rollout.sampling import choose_tokens, counter_uniform, inverse_cdf
 from opentinker.engine.rollout.slot_decode import SlotDecoder, row_buckets
 from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 
@@ -53,6 +53,27 @@ def test_device_side_choice_draws_from_the_distribution():
     top2, _ = choose_tokens(logits, ones, torch.zeros(rows, dtype=torch.bool), torch.full((rows,), 2), ones,
                             counter_uniform(torch.arange(rows), torch.ones(rows, dtype=torch.long)), filtered=True)
     assert set(top2.tolist()) == {0, 2}
+
+
+def whole_vocabulary_inverse_cdf(logits, uniform):
+    """The reference: one float64 cumulative sum over every token."""
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum(-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("vocab, block", [(151_936, 1024), (1000, 64), (300, 1024), (5, 2)])
+def test_blocked_inverse_cdf_picks_the_whole_sums_token(vocab, block):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(400, vocab, generator=generator) * 3
+    logits[:, ::7] = float("-inf")  # filtered tokens (every 7th) are never drawn
+    logits[0] = float("-inf")  # a row with one token left
+    logits[0, vocab // 2] = 0.0
+    uniform = torch.rand(400, generator=generator, dtype=torch.float64)
+    uniform[:2] = torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64)  # the edges
+    chosen = inverse_cdf(logits, uniform, block)
+    assert torch.equal(chosen, whole_vocabulary_inverse_cdf(logits, uniform))
+    assert torch.isfinite(logits.gather(1, chosen.unsqueeze(-1))).all()
 
 
 def test_row_buckets():
