@@ -16,7 +16,8 @@ Checks (``--only`` picks some):
 * ``update``: one full fine-tuning update on the 0.5B shape with ``LocalBackend`` (fp32 master
   weights, bf16 autocast on bf16 weight copies cast once per step, ``weight_casts.py``): 64 rows
   of 128 prompt + 512 response tokens, micro-batches of 16, then fused AdamW; then the same
-  with autocast casting the weights in every micro-batch (the code before). MFU = ``6 * parameters * tokens / seconds`` over the dense bf16 peak (attention
+  with autocast casting the weights in every micro-batch (the code before), and the peer:
+  transformers' own ``model(labels=)`` loss on the same tokens and micro-batches. MFU = ``6 * parameters * tokens / seconds`` over the dense bf16 peak (attention
   FLOPs left out: an underestimate).
 * ``packed``: padded against packed micro-batches (``use_remove_padding``: each sequence's
   attention its own, one varlen flash kernel) on ragged rows (responses of 64 to 512 tokens),
@@ -160,9 +161,35 @@ def check_update(state: dict, lora=None, check: str = "update") -> None:
         backend.weight_casts = casts
         row(check, "without cached weight casts (autocast's per micro-batch)", f"{before:.2f} s",
             f"cached casts x{before / seconds:.2f} faster")
+        peer = peer_update_seconds(state)
+        free_memory()
+        row(check, "peer: model(labels=), fp32 weights + bf16 autocast", f"{peer:.2f} s",
+            f"ours x{peer / seconds:.2f} its speed (its LM head also runs on the prompts)")
     elif "update_s" in state:
         row(check, "LoRA / full update time", f"x{seconds / state['update_s']:.2f}")
     backend.close()
+
+
+def peer_update_seconds(state: dict) -> float:
+    """The same update through transformers' own loss: ``model(input_ids, labels=input_ids)``
+    under bf16 autocast on fp32 weights, the same micro-batches, then fused AdamW."""
+    from opentinker.engine.model_loading import load_causal_lm
+
+    model = load_causal_lm(state["folder"], device=torch.device("cuda")).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+
+    def forward_backward(batch) -> None:
+        ids = torch.tensor([p + r for p, r in zip(batch.prompt_ids, batch.response_ids)], device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    def optim_step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timed_updates(forward_backward, optim_step, state["batch"])  # its model goes with this frame
 
 
 def ragged_batch(rows: int = ROWS):
