@@ -55,11 +55,12 @@ def test_only_linear_weights_are_cast_and_a_tied_embedding_stays_fp32(tiny_model
     assert tiny_model.model.embed_tokens.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_local_backend_with_cached_casts_trains_as_under_autocast_alone(tiny_model_dir, monkeypatch, lora):
+@pytest.mark.parametrize("variant", ["full", "lora", "checkpointed"])
+def test_local_backend_with_cached_casts_trains_as_under_autocast_alone(tiny_model_dir, monkeypatch, variant):
     """LocalBackend's path on a GPU (bf16 autocast; here CPU autocast stands in for CUDA's):
     gradients accumulated over two micro-batches, an AdamW step, two more micro-batches and a
-    forward pass give what autocast's own casts give, bit for bit, full and LoRA."""
+    forward pass give what autocast's own casts give, bit for bit: full, LoRA, and with
+    activation checkpointing (its recomputation runs outside the cached copies)."""
     from opentinker.engine.backend import BackendSpec, make_backend
     from opentinker.engine.backend.base import AdamParams
     from opentinker.engine.backend.forward import ResponseScorer
@@ -71,7 +72,8 @@ def test_local_backend_with_cached_casts_trains_as_under_autocast_alone(tiny_mod
     results = []
     for cached in (True, False):
         backend = make_backend(BackendSpec(model_path=str(tiny_model_dir), device="cpu",
-                                           lora=LoraSettings(rank=4) if lora else None))
+                                           lora=LoraSettings(rank=4) if variant == "lora" else None,
+                                           gradient_checkpointing=variant == "checkpointed"))
         backend.weight_casts = CastWeights(backend.model) if cached else None
         for step in range(2):
             for half in (range(2), range(2, 4)):
