@@ -75,8 +75,10 @@ def test_rollouts_run_ahead_in_their_own_process_and_sample_with_the_version_the
 
 
 def test_rollout_correction_weights_and_masks_stale_tokens(ray_session, tiny_model_dir):
+    # The remote engine decodes on slots here (the other tests: the eager loop): its logprobs
+    # must be the trainer's, an importance ratio of 1 on the first, on-policy step.
     trainer = RLTrainer(make_config([
-        *FAST, "async_training.max_staleness=1",
+        *FAST, "async_training.max_staleness=1", "actor_rollout_ref.rollout.slot_decode=true",
         "algorithm.rollout_correction.rollout_is=sequence",
         "algorithm.rollout_correction.rollout_is_threshold=1.5",
         "algorithm.rollout_correction.rollout_rs=token",
