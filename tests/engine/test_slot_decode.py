@@ -62,7 +62,7 @@ def whole_vocabulary_inverse_cdf(logits, uniform):
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
 
 
-@pytest.mark.parametrize("vocab, block", [(151_936, 1024), (1000, 64), (300, 1024), (5, 2)])
+@pytest.mark.parametrize("vocab, block", [(151_936, 1024), (1000, 16), (300, 1024), (5, 2), (1000, 64)])
 def test_blocked_inverse_cdf_picks_the_whole_sums_token(vocab, block):
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(400, vocab, generator=generator) * 3
@@ -74,6 +74,9 @@ def test_blocked_inverse_cdf_picks_the_whole_sums_token(vocab, block):
     chosen = inverse_cdf(logits, uniform, block)
     assert torch.equal(chosen, whole_vocabulary_inverse_cdf(logits, uniform))
     assert torch.isfinite(logits.gather(1, chosen.unsqueeze(-1))).all()
+    # Capturable in a graph: traced whole, no host round trip.
+    traced = torch.compile(inverse_cdf, fullgraph=True, dynamic=False, backend="eager")
+    assert torch.equal(traced(logits, uniform, block), chosen)
 
 
 def test_row_buckets():
