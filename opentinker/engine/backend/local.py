@@ -115,8 +115,9 @@ class LocalBackend:
         poison the weights). Gradients are cleared either way."""
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, metrics = clipped_adamw_step(self.optimizer, parameters, params)
-        if self.weight_casts is not None:
-            self.weight_casts.clear()  # stale now: free their memory before the rollout
+        for casts in (self.weight_casts, self.reference_casts):
+            if casts is not None:  # the actor's are stale now; both free their memory before the rollout
+                casts.clear()
         self.step += not metrics["skipped_nonfinite"]
         return metrics
 
