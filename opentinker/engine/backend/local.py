@@ -75,13 +75,18 @@ class LocalBackend:
         if reference and not self.with_reference:
             raise RuntimeError("forward(reference=True) but this backend has no reference model")
         model = self.reference if reference and self.reference is not None else self.model
-        casts = self.reference_casts if model is self.reference else self.weight_casts
         was_training = model.training
         model.eval()
         with self.model.disable_adapter() if reference and self.lora else contextlib.nullcontext():
-            logprobs, entropy = self.scorer(model if casts is None else casts, batch, temperature, with_entropy, entropy_grad=False)
+            logprobs, entropy = self.scorer(self._runner(model), batch, temperature, with_entropy, entropy_grad=False)
         model.train(was_training)
         return ForwardOutput(logprobs.cpu(), None if entropy is None else entropy.cpu())
+
+    def _runner(self, model: PreTrainedModel) -> Any:
+        """What to call for ``model`` (the actor or the reference): it on its cached casts when
+        there are some (on a GPU), else the model itself."""
+        casts = self.reference_casts if model is self.reference else self.weight_casts
+        return model if casts is None else casts
 
     def forward_backward(
         self,
@@ -96,7 +101,7 @@ class LocalBackend:
         check_inputs(spec, batch.tensors, tuple(batch.response_mask.shape))
         self.model.train()
         need_entropy = with_entropy or spec.needs_entropy(config)
-        logprobs, entropy = self.scorer(self.model if self.weight_casts is None else self.weight_casts, batch, temperature, need_entropy,
+        logprobs, entropy = self.scorer(self._runner(self.model), batch, temperature, need_entropy,
                                         entropy_grad=spec.needs_entropy(config))
         out = weighted_loss(spec, config, logprobs, entropy, batch, self.device)
         out.loss.backward()

@@ -16,6 +16,7 @@ every row, so the width stays within the longest row's length plus the steps sin
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,48 @@ TokenCallback = Callable[[list[Hashable], list[int]], None]
 #: ``on_forward(tags)``: called right before each forward pass with the tags of its rows (in
 #: row order; in a prefill, every row's, before distinct prompts are grouped).
 ForwardCallback = Callable[[list[Hashable]], None]
+
+
+def check_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> None:
+    """What every decode loop refuses before any work: an empty prompt, and stop strings
+    without the engine's tokenizer to read them."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    if any(p.stop for p in params) and engine.tokenizer is None:
+        raise ValueError("generate: stop strings need the engine's tokenizer (TransformersRolloutEngine(tokenizer=...))")
+
+
+@dataclass
+class DistinctPrefill:
+    """Each distinct prompt of a batch run once (GRPO repeats every prompt n times), left-padded
+    so that every prompt ends in the last column."""
+
+    cache: Any  # an in-place cache with one row per distinct prompt
+    logits: torch.Tensor  # [distinct, vocab]: each distinct prompt's next-token logits
+    prompt_mask: torch.Tensor  # [distinct, width], on the host: 1 = a prompt token
+    position_ids: torch.Tensor  # [distinct, width], on the host
+    group_of_row: torch.Tensor  # [rows], on the host: the distinct prompt of each row
+
+
+@torch.no_grad()
+def prefill_distinct(engine: Any, prompts: Sequence[Sequence[int]], extra_columns: int) -> DistinctPrefill:
+    """Runs ``engine.model`` once over the distinct ``prompts``, into an in-place cache with room
+    for ``extra_columns`` more tokens."""
+    group_of: dict[tuple[int, ...], int] = {}
+    group_of_row = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in prompts])
+    distinct = list(group_of)
+    width = max(len(p) for p in distinct)
+    input_ids = torch.full((len(distinct), width), engine.pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for row, prompt in enumerate(distinct):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        prompt_mask[row, width - len(prompt):] = 1
+    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = in_place_cache(engine.model.config, width + extra_columns)
+    device = engine.device
+    out = engine.model(input_ids=input_ids.to(device), attention_mask=prompt_mask.to(device),
+                       position_ids=position_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return DistinctPrefill(cache, out.logits[:, -1, :], prompt_mask, position_ids, group_of_row)
 
 
 class DecodeBatch:
@@ -61,31 +104,16 @@ class DecodeBatch:
         """New rows: each distinct prompt is run once (GRPO repeats every prompt n times) and its
         cache copied to the rows that share it. ``on_forward`` is called before this and every
         later forward pass of the batch (rows that share a prompt must then be alike to it)."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
+        check_requests(engine, prompts, params)
         stop_texts = [tuple(p.stop) for p in params]
-        if any(stop_texts) and engine.tokenizer is None:
-            raise ValueError("generate: stop strings need the engine's tokenizer (TransformersRolloutEngine(tokenizer=...))")
         device = engine.device
-        group_of: dict[tuple[int, ...], int] = {}
-        group_of_row = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in prompts])
-        distinct = list(group_of)
-        width = max(len(p) for p in distinct)
-        input_ids = torch.full((len(distinct), width), engine.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for row, prompt in enumerate(distinct):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            prompt_mask[row, width - len(prompt):] = 1
-        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         new_tokens = max(p.max_tokens for p in params)
-        cache = in_place_cache(engine.model.config, width + new_tokens)
         if on_forward is not None:
             on_forward(list(tags))
-        out = engine.model(input_ids=input_ids.to(device), attention_mask=prompt_mask.to(device),
-                           position_ids=position_ids.to(device), past_key_values=cache, use_cache=True,
-                           logits_to_keep=1)
-        logits = out.logits[:, -1, :]
-        if len(distinct) < len(prompts):
+        prefilled = prefill_distinct(engine, prompts, new_tokens)
+        cache, logits, group_of_row = prefilled.cache, prefilled.logits, prefilled.group_of_row
+        prompt_mask, position_ids = prefilled.prompt_mask, prefilled.position_ids
+        if len(logits) < len(prompts):
             cache.batch_select_indices(group_of_row.to(device))
             logits = logits[group_of_row.to(device)]
         # Columns past the prompt are every generated token's: a step's mask is a prefix of it.

@@ -126,6 +126,11 @@ def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
     return chosen, logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - logsumexp
 
 
+def stop_id_sets(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> list[tuple[int, ...]]:
+    """Each request's stop token ids, sorted: its own, and the end-of-sequence ids unless ``ignore_eos``."""
+    return [tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))) for p in params]
+
+
 _PER_ROW = ("temperature", "greedy", "top_k", "top_p", "max_tokens", "stop_ids")
 
 
@@ -149,7 +154,7 @@ class RowSettings:
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], eos_token_ids: Sequence[int], device: torch.device) -> RowSettings:
-        stop_sets = [sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))) for p in params]
+        stop_sets = stop_id_sets(params, eos_token_ids)
         stop_ids = torch.full((len(params), max(map(len, stop_sets))), -1, dtype=torch.long)
         for row, ids in enumerate(stop_sets):
             stop_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)

@@ -43,8 +43,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from opentinker.engine.rollout.base import Completion, SamplingParams
 from opentinker.engine.rollout.compiled_decode import can_compile
-from opentinker.engine.rollout.kv_cache import in_place_cache
-from opentinker.engine.rollout.sampling import choose_tokens, counter_uniform
+from opentinker.engine.rollout.decode_batch import check_requests, prefill_distinct
+from opentinker.engine.rollout.sampling import choose_tokens, counter_uniform, stop_id_sets
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
     from torch.nn.attention.varlen import varlen_attn
 
     try:
-        query, key = torch.zeros(2, 4, 64, dtype=dtype, device=device), torch.zeros(16, 2, 64, dtype=dtype, device=device)
+        query = torch.zeros(2, 4, 64, dtype=dtype, device=device)
+        key = torch.zeros(16, 2, 64, dtype=dtype, device=device)
         cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         varlen_attn(query, key, key, cu, cu * 8, 1, 8, enable_gqa=True,
                     seqused_k=torch.tensor([3, 5], dtype=torch.int32, device=device))
@@ -245,8 +246,7 @@ class SlotDecoder:
 
     # -- a call ------------------------------------------------------------------------
     def _prepare(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[tuple[int, ...]]:
-        stop_sets = [tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.engine.eos_token_ids))))
-                     for p in params]
+        stop_sets = stop_id_sets(params, self.engine.eos_token_ids)
         wanted = min(len(prompts), self.max_rows)
         slots = next(b for b in row_buckets(self.max_rows) if b >= wanted)
         need = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
@@ -258,7 +258,7 @@ class SlotDecoder:
             if old is not None:  # grow every dimension to at least what it was: calls alternate
                 slots, columns = max(slots, old.slots), max(columns, old.columns)
                 new_tokens, stop_width = max(new_tokens, old.new_tokens), max(stop_width, old.stop_width)
-            self.pool, self._graphs = None, {}
+            self.pool, self._graphs = None, {}  # the old buffers and graphs go before the new ones come
             self.pool = SlotPool(self.model.config, slots, columns, new_tokens, stop_width, self.dtype, self.device)
         self.pool.active.zero_()  # a call that failed half-way may have left rows running
         self._filtered = any(p.top_k > 0 or p.top_p < 1 for p in params)
@@ -274,10 +274,7 @@ class SlotDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                  on_tokens: TokenCallback | None = None) -> list[Completion]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
-        if any(p.stop for p in params) and self.engine.tokenizer is None:
-            raise ValueError("generate: stop strings need the engine's tokenizer (TransformersRolloutEngine(tokenizer=...))")
+        check_requests(self.engine, prompts, params)
         if not prompts:
             return []
         stop_sets = self._prepare(prompts, params)
@@ -347,29 +344,16 @@ class _Call:
     def _prefill(self, rows: list[int], slots: list[int]) -> None:
         """Runs each distinct prompt once and copies its keys and values to the slots of the
         rows that share it, from column 0, and its next-token logits."""
-        decoder, pool = self.decoder, self.pool
-        group_of: dict[tuple[int, ...], int] = {}
-        groups = [group_of.setdefault(tuple(self.prompts[row]), len(group_of)) for row in rows]
-        distinct = list(group_of)
-        width = max(map(len, distinct))
-        input_ids = torch.full((len(distinct), width), decoder.engine.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for index, prompt in enumerate(distinct):
-            input_ids[index, width - len(prompt):] = torch.tensor(prompt)
-            mask[index, width - len(prompt):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = in_place_cache(decoder.model.config, width)
-        device = decoder.device
-        out = decoder.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                            position_ids=positions.to(device), past_key_values=cache, use_cache=True,
-                            logits_to_keep=1)
-        group = torch.tensor(groups, device=device)
+        pool, device = self.pool, self.decoder.device
+        prefilled = prefill_distinct(self.decoder.engine, [self.prompts[row] for row in rows], 0)
+        width = prefilled.prompt_mask.shape[1]
+        group = prefilled.group_of_row.to(device)
         target = torch.tensor(slots, device=device)
-        pool.logits[target] = out.logits[:, -1, :].float()[group]
+        pool.logits[target] = prefilled.logits.float()[group]
         # Row r's prompt is in its group's last len(r) columns: shift it to column 0.
         shift = torch.tensor([width - len(self.prompts[row]) for row in rows], device=device)
         source = (torch.arange(width, device=device) + shift.unsqueeze(-1)).clamp(max=width - 1)
-        for layer, keys, values in zip(cache.layers, pool.keys, pool.values):
+        for layer, keys, values in zip(prefilled.cache.layers, pool.keys, pool.values):
             for cached, buffer in ((layer.keys, keys), (layer.values, values)):
                 per_row = cached[group].transpose(1, 2)  # [rows, width, kv_heads, D]
                 index = source[:, :, None, None].expand_as(per_row)
