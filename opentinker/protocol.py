@@ -144,6 +144,9 @@ class JobInfo(_Model):
     error: str | None = None
     config: dict[str, Any] = Field(default_factory=dict)  # the resolved config, dotted keys
     relay: RelayInfo | None = None  # None: the job has no relayed interaction
+    # The id of the job's final status event, once it has one (a stream of its events ends there).
+    # A stopped job that is resumed has none again: its earlier final event is not its end.
+    final_event_id: int | None = None
 
 
 class JobList(_Model):

@@ -32,6 +32,7 @@ from typing import Any, TextIO
 
 from opentinker.client.client import ENV_API_KEY, ENV_BASE_URL, OpenTinkerClient
 from opentinker.client.errors import OpenTinkerError
+from opentinker.client.jobs import EnvTotals
 from opentinker.protocol import Event, JobInfo
 
 __all__ = ["add_command", "build_parser", "format_event", "format_jobs_table", "main", "make_client"]
@@ -86,7 +87,8 @@ def format_jobs_table(jobs: Sequence[JobInfo]) -> str:
     return _table(["JOB ID", "NAME", "MODE", "STATUS", "STEP", "CREATED", "ERROR"], rows)
 
 
-def format_job(job: JobInfo) -> str:
+def format_job(job: JobInfo, env: EnvTotals | None = None) -> str:
+    """``jobs show``: the job's fields, its relay and, with ``env``, what its envs cost so far."""
     fields = [
         ("job id", job.job_id),
         ("name", job.name or "-"),
@@ -100,10 +102,17 @@ def format_job(job: JobInfo) -> str:
         fields.append(("error", job.error))
     if job.relay is not None:
         names = ", ".join(job.relay.interactions)
-        state = (f"connected since {_when(job.relay.connected_since)}" if job.relay.connected else
-                 "not connected (its env calls wait: `opentinker jobs logs -f ID` on the machine with the env "
-                 "carries them)")
+        if job.status.finished:
+            state = f"not needed (the job is {job.status.value})"
+        elif job.relay.connected:
+            state = f"connected since {_when(job.relay.connected_since)}"
+        else:
+            state = ("not connected (its env calls wait: `opentinker jobs logs -f ID` on the machine with the env "
+                     "carries them)")
         fields.append(("relay", f"{state}; interactions: {names}"))
+    if env is not None and (env.env_errors or env.redone or env.waited_s):
+        fields.append(("envs", f"{env.env_errors} episode(s) ended in an error of the env's own; {env.redone} "
+                               f"step(s) redone after an env outage; {env.waited_s:.0f} s waiting for envs"))
     width = max(len(k) for k, _ in fields)
     lines = [f"{k.ljust(width)}  {v}" for k, v in fields]
     if job.config:
@@ -163,7 +172,11 @@ def _jobs_list(args: argparse.Namespace) -> int:
 
 def _jobs_show(args: argparse.Namespace) -> int:
     with make_client(args) as client:
-        _print(format_job(client.job(args.job_id).info()))
+        job = client.job(args.job_id)
+        env = EnvTotals()
+        for metrics in job.metrics():
+            env.add(metrics.get("metrics") or {})
+        _print(format_job(job.info(), env))
     return 0
 
 
@@ -201,6 +214,9 @@ def _jobs_resume(args: argparse.Namespace) -> int:
     with make_client(args) as client:
         info = client.job(args.job_id).resume()
         _print(f"job {info.job_id}: {info.status.value}, resuming after step {info.step}/{info.total_steps}")
+        if info.relay is not None:
+            _print(f"its env calls ({', '.join(info.relay.interactions)}) go through the client relay: "
+                   f"`opentinker jobs logs -f {info.job_id}` on the machine with the env carries them")
     return 0
 
 

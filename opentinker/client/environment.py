@@ -443,9 +443,11 @@ class GenericEnvironment:
     ) -> str:
         lines = [f"environment check failed on {client.base_url}:"]
         unreachable: list[str] = []
+        refused: list[str] = []  # endpoints that answered, or were never tried: the server may not reach them
         for problem in result.problems or ["(the server gave no details)"]:
             mentioned = [u for u_list in urls.values() for u in u_list if u in problem]
-            unreachable += [u for u in mentioned if u not in unreachable]
+            named = refused if _is_policy_refusal(problem) else unreachable
+            named += [u for u in mentioned if u not in named]
             if not mentioned:  # name the endpoints of an interaction the server names without them
                 for name, name_urls in urls.items():
                     if name_urls and re.search(rf"['\"]{re.escape(name)}['\"]", problem) and "class" not in problem:
@@ -454,6 +456,9 @@ class GenericEnvironment:
             lines.append(f"  - {problem}")
         if unreachable:
             lines.append(f"unreachable env endpoint(s): {', '.join(unreachable)}")
+        if refused:
+            lines.append(f"env endpoint(s) this server may not reach: {', '.join(refused)} (its operator allows env "
+                         "hosts with --allow-env-host; an env on this machine: \"relay\": \"client\")")
         if unknown:
             named = ", ".join(f"{s.class_path!r} (interaction {s.name!r})" for s in unknown)
             lines.append(f"interaction class not allowed on this server: {named}")
@@ -487,3 +492,8 @@ class GenericEnvironment:
             dataset=dataset,
             val_dataset=self.val_rows(),
         )
+
+
+def _is_policy_refusal(problem: str) -> bool:
+    """Whether the server refused an endpoint by its operator's policy (it did not try to reach it)."""
+    return "is not allowed on this server" in problem or "allows no environment servers" in problem

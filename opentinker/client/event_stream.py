@@ -1,6 +1,10 @@
-"""A job's event stream (Server-Sent Events) that survives dropped connections: each
-reconnect resumes with ``Last-Event-ID``, so no event is lost or repeated; failed connections
-back off and give up after the client's retries, quiet or cleanly ended streams reconnect."""
+"""A job's event stream (Server-Sent Events) that follows the job to its end and survives
+dropped connections: each reconnect resumes with ``Last-Event-ID``, so no event is lost or
+repeated; quiet or cleanly ended streams reconnect; failed connections back off and give up
+only after the client's retries *and* ``patience_s`` without reaching the server (a server
+restart takes a while). A final status event ends the stream only while it is the job's end:
+a job that was stopped and then resumed (``jobs resume``, a server restart that continues it
+from its checkpoint) goes on, and so does the stream, to the job's real end."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from opentinker.client.errors import JobTimeoutError, OpenTinkerError, error_from_response
 from opentinker.client.retries import RETRY_STATUSES, RetryableStatus, until
-from opentinker.protocol import Event, JobStatus
+from opentinker.protocol import Event, JobInfo, JobStatus
 
 if TYPE_CHECKING:
     from opentinker.client.jobs import JobHandle
@@ -43,8 +47,21 @@ def final_status(event: Event) -> JobStatus | None:
     return status if status.finished else None
 
 
-def stream_events(job: JobHandle, after: int | None, deadline: float | None) -> Iterator[Event]:
-    """``job``'s events after ``after`` until its final status (see :meth:`JobHandle.stream`);
+#: How long a stream keeps reconnecting to a server it cannot reach (a restart) before it gives up.
+PATIENCE_S = 300.0
+
+
+def ended_by(info: JobInfo, last: int) -> bool:
+    """Whether the job of ``info`` has ended with an event id at most ``last``: False while it
+    lives, and once it was resumed after a stop (its earlier final event is not its end)."""
+    if "final_event_id" not in info.model_fields_set:  # a server that does not say where events end
+        return info.status.finished
+    return info.final_event_id is not None and last >= info.final_event_id
+
+
+def stream_events(job: JobHandle, after: int | None, deadline: float | None,
+                  patience_s: float = PATIENCE_S) -> Iterator[Event]:
+    """``job``'s events after ``after`` until its end (see :meth:`JobHandle.stream`);
     JobTimeoutError at ``deadline`` (``time.monotonic()``; None: none)."""
     # One tenacity attempt per connection. Events reset the count of failed connections;
     # a clean end or a quiet stream (ReadTimeout) is a _Resume, which never counts as one.
@@ -52,6 +69,7 @@ def stream_events(job: JobHandle, after: int | None, deadline: float | None) -> 
     last = int(after or 0)
     failures = 0  # consecutive failed connections
     idle = 0  # consecutive clean ends that brought nothing new
+    reached = time.monotonic()  # when the server last answered
 
     def wait(state: RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -60,7 +78,9 @@ def stream_events(job: JobHandle, after: int | None, deadline: float | None) -> 
 
     def give_up(state: RetryCallState) -> bool:
         error = state.outcome.exception() if state.outcome is not None else None
-        return not isinstance(error, _Resume) and failures > client.retries
+        if isinstance(error, _Resume):
+            return False
+        return failures > client.retries and time.monotonic() - reached > patience_s
 
     reconnects = Retrying(
         retry=retry_if_exception_type((_Resume, httpx.TransportError, RetryableStatus)),
@@ -80,12 +100,13 @@ def stream_events(job: JobHandle, after: int | None, deadline: float | None) -> 
                 received = False
                 try:
                     for event in _connect(job, last, read_timeout):
+                        reached = time.monotonic()
                         if event.id <= last:
                             continue  # the server repeated something we have: skip, never yield twice
                         last = event.id
                         received, failures, idle = True, 0, 0
                         yield event
-                        if final_status(event) is not None:
+                        if final_status(event) is not None and ended_by(job.info(), event.id):
                             return
                         if deadline is not None and time.monotonic() >= deadline:
                             raise JobTimeoutError(f"timed out waiting for job {job.job_id} (it keeps running)")
@@ -94,9 +115,10 @@ def stream_events(job: JobHandle, after: int | None, deadline: float | None) -> 
                 except (httpx.TransportError, RetryableStatus):
                     failures += 1
                     raise
+                reached = time.monotonic()
                 if received:
                     raise _Resume()  # the stream ended early: resume at once from the last id
-                if job.info().status.finished:
+                if ended_by(job.info(), last):
                     return  # nothing after `last` will ever come
                 idle += 1
                 raise _Resume(client.backoff_delay(min(idle - 1, 4)))

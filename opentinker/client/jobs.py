@@ -113,8 +113,9 @@ class JobHandle:
     def stream(self, after: int | None = None) -> Iterator[Event]:
         """The job's events as they happen (Server-Sent Events), from the one after ``after``
         (None: from the first). A dropped connection is resumed with ``Last-Event-ID`` set to
-        the last id seen, so no event is lost or repeated. Stops after the final status event
-        (or, resuming past it, as soon as the job is known to be finished)."""
+        the last id seen, so no event is lost or repeated; a server restart is waited for. Stops
+        after the job's final status event: a stop that was followed by a resume (``interrupted``
+        then ``queued``) is not the end, and the stream goes on with the resumed job."""
         return stream_events(self, after, deadline=None)
 
     def wait(
@@ -128,9 +129,11 @@ class JobHandle:
         """Follow the job until it finishes and return its final :class:`JobInfo`.
 
         Shows a tqdm bar over ``total_steps`` with the latest ``reward`` (``reward/mean``) and
-        ``kl`` (``actor/kl``) unless ``progress=False``; logs every metrics event to
-        Weights & Biases when ``wandb_project`` is given and wandb is installed. Raises
-        :class:`JobFailedError` (the server's error message) when the job failed or was
+        ``kl`` (``actor/kl``), and once they happen the run's env errors, redone steps and time
+        spent waiting for envs, unless ``progress=False``; logs every metrics event to
+        Weights & Biases when ``wandb_project`` is given and wandb is installed. Follows the job
+        through stops that are resumed (a server restart, ``jobs resume``): raises
+        :class:`JobFailedError` (the server's error message) only when the job ended failed or
         interrupted, :class:`JobTimeoutError` after ``timeout`` seconds (the job keeps
         running). A cancelled job is returned, not raised.
         """
@@ -403,7 +406,8 @@ class _ProgressBar:
 
         self.label = info.name or info.job_id
         self.bar = tqdm(total=info.total_steps or None, desc=self.label, unit="step", dynamic_ncols=True)
-        self.postfix: dict[str, float] = {}
+        self.postfix: dict[str, Any] = {}
+        self.env = EnvTotals()
 
     def _advance(self, step: Any) -> None:
         if isinstance(step, int) and step > self.bar.n:
@@ -422,6 +426,8 @@ class _ProgressBar:
                 value = next((metrics[n] for n in names if isinstance(metrics.get(n), (int, float))), None)
                 if value is not None:
                     self.postfix[label] = float(value)
+            self.env.add(metrics)
+            self.postfix.update(self.env.postfix())
             if self.postfix:
                 self.bar.set_postfix(self.postfix, refresh=False)
             self._advance(data.get("step"))
@@ -436,6 +442,39 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class EnvTotals:
+    """What the envs cost a run so far, summed from its metrics events: episodes that were env
+    errors of the env's own (``env/<name>/env_errors``), steps redone after an outage
+    (``train/env_outage_retries``) and the time spent waiting for envs (``train/env_outage_wait_s``)."""
+
+    def __init__(self) -> None:
+        self.env_errors = 0
+        self.redone = 0
+        self.waited_s = 0.0
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        for name, value in metrics.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if name.startswith("env/") and name.endswith("/env_errors"):
+                self.env_errors += int(value)
+            elif name == "train/env_outage_retries":
+                self.redone += int(value)
+            elif name == "train/env_outage_wait_s":
+                self.waited_s += float(value)
+
+    def postfix(self) -> dict[str, Any]:
+        """The progress bar's fields for what happened (none while nothing did)."""
+        shown: dict[str, Any] = {}
+        if self.env_errors:
+            shown["env_err"] = self.env_errors
+        if self.redone:
+            shown["redone"] = self.redone
+        if self.waited_s:
+            shown["env_wait"] = f"{self.waited_s:.0f}s"
+        return shown
 
 
 class _WandbRun:

@@ -121,8 +121,11 @@ class AgentLoop:
         messages: Sequence[dict[str, str]] | None,
         interaction: Interaction | None = None,
         interaction_kwargs: dict[str, Any] | None = None,
+        instance_id: str | None = None,
     ) -> Trajectory:
-        run = _Run(self, list(messages or []), interaction, dict(interaction_kwargs or {}))
+        """One trajectory; ``instance_id`` names its env instance (None: a fresh uuid4), so a
+        caller that must finalize instances a crash left open knows them before they start."""
+        run = _Run(self, list(messages or []), interaction, dict(interaction_kwargs or {}), instance_id)
         return await run.execute()
 
 
@@ -130,13 +133,14 @@ class _Run:
     """The mutable state of one trajectory while it is being produced."""
 
     def __init__(self, loop: AgentLoop, messages: list[dict[str, str]], interaction: Interaction | None,
-                 interaction_kwargs: dict[str, Any]):
+                 interaction_kwargs: dict[str, Any], instance_id: str | None = None):
         self.loop = loop
         self.cfg = loop.config
         self.messages = messages
         self.interaction = interaction
         self.interaction_kwargs = interaction_kwargs
         self.state = AgentState.PENDING
+        self.chosen_instance_id = instance_id
         self.instance_id: str | None = None
         self.prompt_ids: list[int] = []
         self.response_ids: list[int] = []
@@ -175,9 +179,9 @@ class _Run:
         env_prompt = False
         if self.interaction is not None:
             # Chosen here, before the call, so a start that fails half-way is still finalized.
-            self.instance_id = str(uuid.uuid4())
+            self.instance_id = self.chosen_instance_id or str(uuid.uuid4())
             start = self.interaction.start_interaction(self.instance_id, **self.interaction_kwargs)
-            started = await self._env_call(start)
+            started = await self._env_call(start, start_call=True)
             self.instance_id = started or self.instance_id
             if not any(m.get("role") == "user" for m in self.messages):  # data-free: the env opens
                 env_prompt = True
@@ -255,11 +259,13 @@ class _Run:
         self.response_mask.extend([mask] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
-    async def _env_call(self, call: Awaitable):
-        """``call`` under the interaction's deadline: one that runs past it is an env error
-        (the trajectory is left out; the step goes on), naming the endpoint."""
+    async def _env_call(self, call: Awaitable, start_call: bool = False):
+        """``call`` under the interaction's deadline (its ``start_deadline_s`` for the start, else its
+        ``call_deadline_s``): one that runs past it is an env error (the trajectory is left out; the
+        step goes on), naming the endpoint."""
         start = time.perf_counter()
-        deadline = self.interaction.call_deadline_s() if self.interaction is not None else None
+        assert self.interaction is not None
+        deadline = self.interaction.start_deadline_s() if start_call else self.interaction.call_deadline_s()
         try:
             if deadline is None:
                 return await call

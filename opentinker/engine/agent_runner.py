@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+import uuid
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -14,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
 from opentinker.engine.chat import ChatTemplater
+from opentinker.engine.env_instances import EnvInstanceJournal
 from opentinker.engine.rollout import AsyncCompletions, Completion, RequestBatcher, SamplingParams
 from opentinker.environments.gym_interaction import check_endpoint
 from opentinker.environments.interaction import EnvironmentServerError, Interaction
@@ -45,6 +48,10 @@ class AgentLoopRunner:
 
     One long-lived loop, not ``asyncio.run`` per step: interactions keep HTTP connection
     pools, and those are bound to the loop that opened them.
+
+    Env instances a failure left open are finalized before each step: those an interaction
+    could not finalize (its server was unreachable) and, through ``journal``, those a killed
+    process of the same run had open (:mod:`opentinker.engine.env_instances`).
     """
 
     def __init__(
@@ -54,12 +61,17 @@ class AgentLoopRunner:
         templater: ChatTemplater,
         config: AgentLoopConfig,
         interactions: Mapping[str, Interaction],
+        journal: EnvInstanceJournal | None = None,
     ):
         self.requests = requests  # a RequestBatcher (owned: closed here) or an engine with agenerate
         self.tokenizer = tokenizer
         self.templater = templater
         self.config = config
         self.interactions = dict(interactions)
+        self.journal = journal or EnvInstanceJournal(None)
+        for name, ids in self.journal.read().items():  # left open by an earlier process of this run
+            if name in self.interactions:
+                self.interactions[name].adopt_unfinalized(ids)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-loops", daemon=True)
         self._thread.start()
@@ -69,16 +81,39 @@ class AgentLoopRunner:
         return asyncio.run_coroutine_threadsafe(self._run_all(prompts, params), self._loop).result()
 
     async def _run_all(self, prompts: Sequence["Prompt"], params: SamplingParams):
+        await self.finalize_leftovers()
         loop = AgentLoop(self.requests.agenerate, self.tokenizer, self.templater, self.config, params)
-        results = await asyncio.gather(*(self._run_one(loop, prompt) for prompt in prompts))
-        return [trajectory for trajectory, _ in results], [name for _, name in results]
+        episodes = [self._episode(prompt) for prompt in prompts]
+        self._journal({name: [iid] for name, _, _, iid in episodes})
+        try:
+            trajectories = await asyncio.gather(*(
+                loop.run(prompt.row.get("prompt"), self.interactions[name], kwargs, iid)
+                for prompt, (name, _, kwargs, iid) in zip(prompts, episodes)))
+        finally:
+            self._journal({})
+        return list(trajectories), [name for name, *_ in episodes]
 
-    async def _run_one(self, loop: AgentLoop, prompt: "Prompt") -> tuple[Trajectory, str]:
+    def _episode(self, prompt: "Prompt") -> tuple[str, Interaction, dict, str]:
+        """The interaction of one sample (its name), its kwargs and its instance id."""
         interaction, kwargs = select_interaction(prompt.row, self.interactions)
         name = next(key for key, value in self.interactions.items() if value is interaction)
         # The n samples of a prompt share its environment seed, so GRPO compares like with like.
         kwargs.setdefault("seed", zlib.crc32(prompt.uid.encode()))
-        return await loop.run(prompt.row.get("prompt"), interaction, kwargs), name
+        return name, interaction, kwargs, str(uuid.uuid4())
+
+    def _journal(self, starting: Mapping[str, list[str]]) -> None:
+        """Keep on disk the instances a crash now could leave open: the leftovers and ``starting``."""
+        open_ids: dict[str, list[str]] = {}
+        for name, interaction in self.interactions.items():
+            if interaction.keeps_instances_at_env:
+                open_ids[name] = [*interaction.unfinalized_instances(), *starting.get(name, ())]
+        self.journal.write(open_ids)
+
+    async def finalize_leftovers(self) -> int:
+        """Finalize what earlier steps (or processes) left open at the envs; how many are still open."""
+        counts = await asyncio.gather(*(i.finalize_leftovers() for i in self.interactions.values()))
+        self._journal({})
+        return sum(counts)
 
     def probe_health(self, urls: Sequence[str], timeout_s: float) -> dict[str, str | None]:
         """``GET {url}/health`` of each env server, concurrently: ``{url: None}`` when it answered
@@ -99,6 +134,17 @@ class AgentLoopRunner:
             return await asyncio.gather(*(probe(url) for url in urls))
 
         return dict(zip(urls, asyncio.run_coroutine_threadsafe(probe_all(), self._loop).result()))
+
+    def wait_for_relay(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a client relay of this job that is not connected to connect:
+        True when one did (an outage wait then probes at once instead of at its next probe). With
+        every relay connected, or none, a plain sleep and False."""
+        hubs = {id(hub): hub for hub in (getattr(i, "relay_hub", None) for i in self.interactions.values()) if hub}
+        detached = [hub for hub in hubs.values() if not hub.status()["connected"]]
+        if not detached:
+            time.sleep(timeout_s)
+            return False
+        return detached[0].wait_attached(timeout_s)
 
     def close(self) -> None:
         """Closes the interactions' connections on the loop they were opened in, then the loop."""

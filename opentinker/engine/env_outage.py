@@ -1,10 +1,12 @@
 """Waiting out an environment-server outage inside one training step.
 
-A step whose samples have nothing to train on because an env server could not be reached
-(``EnvironmentServerError.unreachable``: connection errors, timeouts, HTTP 502/503/504; a
-server answering with errors of its own is not waited for) is neither skipped nor counted:
-the trainer waits, probing the servers' ``GET /health`` between backoff sleeps (0.5 s
-doubling to 10 s), and redoes the same step's rollout as soon as every one answers. After
+A step any of whose samples failed because an env server could not be reached
+(``EnvironmentServerError.unreachable``: connection errors, timeouts, HTTP 502/503/504, a
+dropped client relay, a broken session, a server at capacity for too long; a server answering
+with errors of its own is not waited for) is neither trained on its survivors nor skipped: the
+trainer waits, probing the servers' ``GET /health`` between backoff sleeps (0.5 s doubling to
+10 s; a client relay that connects meanwhile ends the sleep at once), and redoes the same step's
+rollout as soon as every one answers. After
 ``trainer.env_outage_timeout_s`` of waiting the job fails with
 :class:`EnvironmentUnavailableError`. A time budget, not a count of steps: a restart that
 takes 25 s costs that plus at most one backoff sleep, and no step is lost from the run.
@@ -71,6 +73,7 @@ class EnvOutage:
         check_cancelled: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        wake: Callable[[float], bool] | None = None,
     ):
         self.step = step
         self.timeout_s = float(timeout_s)
@@ -79,11 +82,15 @@ class EnvOutage:
         self.check_cancelled = check_cancelled  # raises to stop the job (a cancel must not wait 300 s)
         self.clock = clock
         self.sleep = sleep
+        # wake(seconds): wait up to that long for something that ends the sleep early (a client
+        # relay connecting); True when it came. None: plain sleeps.
+        self.wake = wake
         self.started = clock()
         self.tries = 0  # failed tries of the step so far
         self.delay = FIRST_DELAY_S
         self.endpoints: dict[str, str] = {}
         self.last_error = ""
+        self.lost = ""  # "N of M episodes" of the last failed try
         self._last_warned: float | None = None
 
     def waited(self) -> float:
@@ -92,11 +99,13 @@ class EnvOutage:
     def _names(self) -> str:
         return ", ".join(self.endpoints.values())
 
-    def wait(self, endpoints: Mapping[str, str], last_error: str) -> None:
+    def wait(self, endpoints: Mapping[str, str], last_error: str, failed: int = 0, total: int = 0) -> None:
         """Sleep and probe ``endpoints`` (base URL -> name) until all answer /health;
-        :class:`EnvironmentUnavailableError` once ``timeout_s`` has passed without that."""
+        :class:`EnvironmentUnavailableError` once ``timeout_s`` has passed without that.
+        ``failed`` of ``total`` episodes of the try failed so."""
         self.tries += 1
         self.endpoints, self.last_error = dict(endpoints), last_error
+        self.lost = f"{failed} of {total} episodes" if total else "episodes"
         while True:
             waited = self.waited()
             if waited >= self.timeout_s:
@@ -126,19 +135,23 @@ class EnvOutage:
         self._last_warned = now
         left = self.timeout_s - waited
         if first:
-            what = (f"waiting for env server(s) {self._names()}, which could not be reached; the step is "
-                    f"redone as soon as their /health answers")
+            what = (f"{self.lost} could not reach env server(s) {self._names()}; the step is not trained on the "
+                    f"rest but redone whole as soon as their /health answers")
         else:
             what = f"still waiting for env server(s) {self._names()} after {waited:.0f} s"
         self.warn(f"step {self.step}: {what}; the job fails in {left:.0f} s otherwise "
                   f"(trainer.env_outage_timeout_s={self.timeout_s:g}); last error: {self.last_error}")
 
     def _sleep(self, seconds: float) -> None:
-        """``sleep`` in short slices, checking for a cancel between them."""
+        """``sleep`` in short slices, checking for a cancel between them; ends early on a wake."""
         end = self.clock() + max(seconds, 0.0)
         while True:
             self.check_cancelled()
             left = end - self.clock()
             if left <= 0:
                 return
-            self.sleep(min(left, 0.2))
+            if self.wake is not None:
+                if self.wake(min(left, 0.2)):
+                    return
+            else:
+                self.sleep(min(left, 0.2))

@@ -13,6 +13,7 @@ from opentinker.engine.agent_loop import AgentLoopConfig
 from opentinker.engine.agent_runner import AgentLoopRunner, single_turn_trajectory
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.data import Prompt
+from opentinker.engine.env_instances import EnvInstanceJournal
 from opentinker.engine.env_outage import PROBE_TIMEOUT_S, EnvOutage, unreachable_endpoints
 from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
 from opentinker.engine.rollout import AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams
@@ -57,6 +58,8 @@ class RolloutSampler:
                     max_prompt_length=cfg.data.max_prompt_length,  # for prompts the env writes
                 ),
                 dict(interactions),
+                # Env instances a killed process of this run left open are finalized at the start.
+                EnvInstanceJournal.in_folder(cfg.trainer.default_local_dir),
             )
 
     def sampling_params(self, validation: bool = False) -> SamplingParams:
@@ -104,10 +107,13 @@ class RolloutSampler:
 
     def through_outages(self, generate: Callable[..., Rollout], prompts: Sequence[Prompt], timer: Timer,
                         step_number: int) -> tuple[Rollout, EnvOutage | None]:
-        """Step ``step_number``'s rollout (``generate``); while it has nothing to train on because
-        env servers could not be reached, wait until their /health answers (:class:`EnvOutage`,
-        at most ``trainer.env_outage_timeout_s``, then :class:`EnvironmentUnavailableError`) and
-        redo it.
+        """Step ``step_number``'s rollout (``generate``) on its whole batch: while any of its samples
+        failed because an env server could not be reached (an outage, a dropped relay, a broken
+        session, a server at capacity for too long), wait until every such server's /health
+        answers (:class:`EnvOutage`, at most ``trainer.env_outage_timeout_s``, then
+        :class:`EnvironmentUnavailableError`) and redo the whole step. What is left out of a step
+        is only what the env itself answered wrongly (its error replies), never a fault's victims:
+        those are the quick episodes' survivors, a biased sample.
 
         A redo has the step's prompts (drawn once; env seeds follow from them) and the engine's
         random state at the first try, so it samples as the step would have without the outage.
@@ -119,19 +125,16 @@ class RolloutSampler:
         while True:
             with timer.phase("rollout"):
                 full_rollout = generate(prompts, self.cfg.actor_rollout_ref.rollout.n)
-            if full_rollout.trainable():
-                break
             down = unreachable_endpoints(full_rollout.trajectories, full_rollout.interaction_names)
             if not down:
-                break  # empty, but the envs answered: redoing it would fail alike (the step is skipped)
+                break  # every sample trained, or failed by the env's own answer (redoing it would fail alike)
             if outage is None:
                 outage = EnvOutage(step_number, self.cfg.trainer.env_outage_timeout_s,
                                    lambda urls: self.agent_loops.probe_health(urls, PROBE_TIMEOUT_S),
-                                   self.warn, self.check_cancelled)
-            last_error = next((t.info["error"] for t in reversed(full_rollout.trajectories)
-                               if t.info.get("env_unreachable")), "")
+                                   self.warn, self.check_cancelled, wake=self.agent_loops.wait_for_relay)
+            failed = [t for t in full_rollout.trajectories if t.info.get("env_unreachable")]
             with timer.phase("env_outage_wait"):
-                outage.wait(down, last_error)
+                outage.wait(down, failed[-1].info.get("error") or "", len(failed), len(full_rollout.trajectories))
             if rng_at_start is not None:
                 self.engine.set_rng_state(rng_at_start)
         if outage is not None:

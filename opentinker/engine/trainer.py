@@ -5,12 +5,12 @@ update -> weight sync -> metrics. Everything heavy sits behind two objects: the
 ``TrainingBackend`` (the training primitives: forward, forward_backward, optim_step,
 weights) that the PPO recipe (``engine/ppo.py``) drives, and the ``RolloutEngine`` (sampling).
 
-Samples that cannot be trained on (excluded trajectories: env errors without an
+Samples that cannot be trained on (excluded trajectories: errors of the env's own without an
 ``env_error_reward``, env prompts that are too long; and any whose env failed before the
-model spoke) leave the batch before advantages. A step left with nothing because an env
-server could not be reached is waited out and redone, not skipped (``engine/env_outage.py``;
-``trainer.env_outage_timeout_s``). A step left with nothing for any other reason (the env
-answered with errors of its own, prompts too long) is skipped: it still counts
+model spoke) leave the batch before advantages. A step any of whose samples failed because an
+env server could not be reached is waited out and redone whole, never trained on the rest
+(``engine/env_outage.py``; ``trainer.env_outage_timeout_s``). A step left with nothing for any
+other reason (the env answered with errors of its own, prompts too long) is skipped: it still counts
 (``global_step`` advances; ``train/skipped``, ``skip_reason``), and
 ``trainer.max_consecutive_empty_steps`` skipped steps in a row raise
 :class:`EnvironmentUnavailableError`.
@@ -41,6 +41,7 @@ from opentinker.engine.rollout_sources import PipelinedRollouts, RolloutSource, 
 from opentinker.engine.sampling import RolloutSampler
 from opentinker.engine.step_metrics import rollout_metrics, token_count, validation_metrics
 from opentinker.engine.step_types import Rollout, Timer
+from opentinker.engine.step_warnings import StepWarnings
 from opentinker.engine.train_loop import fit_loop
 from opentinker.engine.trainer_parts import (
     critic_backend, judge_from_config, rollout_engine, shared_gpu_warning, start_wandb,
@@ -114,6 +115,7 @@ class RLTrainer:
                                       self.reward_scorer, warn=lambda message: self.on_warning(message),
                                       check_cancelled=lambda: self.check_cancelled())
         self.agent_loops = self.sampler.agent_loops
+        self.step_warnings = StepWarnings(lambda message: self.on_warning(message))  # lost episodes, no signal
         # Where each step's rollout comes from: made in the step, or launched steps ahead.
         self.rollouts: RolloutSource = (
             PipelinedRollouts(self.max_staleness, self.loader, self.rollout_through_outages, self.rollout,
@@ -164,6 +166,7 @@ class RLTrainer:
         with timer.phase("step"):
             pushed = None if rows is None else self.tokenize_batch(rows)
             full_rollout, outage, version = self.rollouts.rollout(pushed, timer, self.global_step)
+            self.step_warnings.check(self.global_step + 1, full_rollout)
             # Removed before advantages, so excluded samples never shift a group's mean or std.
             rollout = full_rollout.keep(full_rollout.trainable())
             if rollout.trajectories:

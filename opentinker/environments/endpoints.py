@@ -248,6 +248,11 @@ def _resolves_to_own(host: str) -> bool:
     return any(a is None or a.is_loopback or a.is_unspecified or a in own for a in addresses)
 
 
+#: What a user can do about a refused endpoint without the operator: have the client carry the calls.
+RELAY_HINT = ("; an env on your own machine is reached through your client instead: set \"relay\": \"client\" "
+              "in the interaction's config")
+
+
 @dataclass(frozen=True)
 class EndpointPolicy:
     """Which env servers jobs on this server may reach (the operator's choice).
@@ -278,10 +283,11 @@ class EndpointPolicy:
             if not self.rules:
                 raise EndpointError(
                     f"{field} {normalised}: this server allows no environment servers; its operator "
-                    "can allow hosts with 'opentinker-server serve --allow-env-host HOST[:PORTS]'"
+                    "can allow hosts with 'opentinker-server serve --allow-env-host HOST[:PORTS]'" + RELAY_HINT
                 )
             raise EndpointError(
                 f"{field} {normalised} is not allowed on this server (allowed env hosts: {self.describe()})"
+                + RELAY_HINT
             )
         # After the rules: only names the operator allowed are ever looked up.
         if own_port and _as_ip(host) is None and _resolves_to_own(host):

@@ -22,6 +22,7 @@ import aiohttp
 
 from opentinker.environments.env_replies import join_url
 from opentinker.environments.transport import MAX_ANSWER_BYTES, Answer, BadAnswer, NoAnswer
+from opentinker.json_limits import MAX_ENV_JSON_DEPTH, JsonTooDeep, loads_bounded
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "BadAnswer", "DirectTransport", "NoAnswer", "new_session", "request"]
 
@@ -86,7 +87,9 @@ class _DirectSession:
             raise NoAnswer(f"the session broke ({type(exc).__name__}: {exc})") from exc
         if received.type == aiohttp.WSMsgType.TEXT:
             try:
-                return json.loads(received.data)
+                return loads_bounded(received.data, MAX_ENV_JSON_DEPTH)
+            except JsonTooDeep as exc:
+                raise BadAnswer(f"a message {exc}") from exc
             except ValueError as exc:
                 raise BadAnswer(f"a message that is not JSON ({len(received.data)} characters)") from exc
         if received.type == aiohttp.WSMsgType.ERROR and isinstance(received.data, aiohttp.WebSocketError) \

@@ -66,6 +66,7 @@ from opentinker.environments.interaction import (
 from opentinker.environments.relay import RelayTransport, relay_mode
 from opentinker.environments.templates import checked_template as _checked_template
 from opentinker.environments.transport import BadAnswer, NoAnswer
+from opentinker.json_limits import JsonTooDeep
 
 if TYPE_CHECKING:
     from opentinker.environments.transport import EnvTransport
@@ -73,6 +74,8 @@ if TYPE_CHECKING:
 __all__ = ["GymEnvironmentInteraction", "RoutedEnvServers", "check_endpoint", "env_route", "shard_urls"]
 
 logger = logging.getLogger(__name__)
+
+MAX_LEFTOVERS = 100_000  # instances kept to be finalized again (an env expires the oldest itself)
 
 
 def _check_shard_count(count: int, max_shards: int | None) -> None:
@@ -203,6 +206,11 @@ class RoutedEnvServers:
         """Whether the job's client carries the calls (``relay: client``)."""
         return isinstance(self._transport, RelayTransport)
 
+    @property
+    def relay_hub(self) -> Any:
+        """The job's :class:`~opentinker.environments.relay.RelayHub` carrying the calls (None: direct)."""
+        return self._transport.hub if isinstance(self._transport, RelayTransport) else None
+
     def shard_for(self, instance_id: str) -> str:
         """The base URL serving ``instance_id``: stable across calls and processes."""
         return self.shards[zlib.crc32(instance_id.encode("utf-8")) % len(self.shards)]
@@ -246,6 +254,7 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
 
     config_keys = frozenset({"env_endpoint", "env_shards", "max_steps", "observation_template", "timeout_s",
                              "retries", "backoff_s", "max_connections", "env_kwargs", "trust_env", "job_id", "relay"})
+    keeps_instances_at_env = True  # from /reset until /finalize
 
     def __init__(self, config: dict[str, Any], context: InteractionContext | None = None):
         super().__init__(config)
@@ -267,6 +276,8 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         self._job_id_fixed = context.job_id is not None
         self.job_id: str | None = context.job_id if self._job_id_fixed else _job_id(cfg.get("job_id"), "job_id")
         self._instances: dict[str, _Instance] = {}
+        # instance id -> (its server, its job id): those whose finalize did not reach the env
+        self._leftovers: dict[str, tuple[str, str | None]] = {}
         self.shards, self._transport = env_route(cfg, context, timeout_s=self.timeout_s,
                                                  max_connections=self.max_connections)
 
@@ -307,10 +318,17 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
             raise _Retryable(reply_problem(answer), answer.status in UNAVAILABLE_STATUSES)
         if 300 <= answer.status < 400:
             raise EnvironmentServerError(url, f"HTTP {answer.status}: redirects are not followed")
+        if answer.status == 404 and path == "step":
+            # The server no longer has the episode (it restarted, or expired it): not the env's
+            # answer to this episode but a broken one, like a dropped session. The step is redone.
+            raise EnvironmentServerError(url, f"{reply_problem(answer)}: the env server no longer has this episode "
+                                              "(it restarted or expired it)", unreachable=True)
         if answer.status >= 400:
             raise EnvironmentServerError(url, reply_problem(answer))
         try:
             return answer.json()
+        except JsonTooDeep as exc:
+            raise EnvironmentServerError(url, f"answer {exc} ({reply_shape(answer)})") from exc
         except ValueError as exc:
             raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc
 
@@ -430,22 +448,60 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         """Forget the instance and POST /finalize (one attempt; errors are logged, never raised).
 
         The request is sent even for an instance unknown here (e.g. a /reset whose answer
-        was lost), since the shard follows from the id; calling it twice is harmless.
+        was lost), since the shard follows from the id; calling it twice is harmless. One that
+        cannot reach the server is kept and sent again before the next step
+        (:meth:`finalize_leftovers`), so an outage leaves no instance open at the env.
         """
         state = self._instances.pop(instance_id, None)
         await super().finalize_interaction(instance_id)
-        base = state.url if state is not None else self.shard_for(instance_id)
+        base, job_id = ((state.url, state.job_id) if state is not None else
+                        self._leftovers.get(instance_id, (self.shard_for(instance_id), self.job_id)))
+        await self._send_finalize(instance_id, base, job_id, quiet=state is None)
+
+    async def _send_finalize(self, instance_id: str, base: str, job_id: str | None, quiet: bool = False) -> bool:
+        """POST /finalize once; False (and the instance kept as a leftover) when the server could not be reached."""
         body: dict[str, Any] = {"instance_id": instance_id}
-        job_id = state.job_id if state is not None else self.job_id
         if job_id is not None:
             body["job_id"] = job_id
         try:
             await self._post(base, "finalize", body, retries=0)
         except EnvironmentServerError as exc:
-            level = logging.DEBUG if state is None else logging.WARNING
-            logger.log(level, "finalize of instance %s failed: %s", instance_id, exc)
+            if exc.unreachable:
+                self._keep_leftover(instance_id, base, job_id)
+                logger.log(logging.DEBUG if quiet else logging.WARNING,
+                           "finalize of instance %s did not reach the env; sent again before the next step: %s",
+                           instance_id, exc)
+                return False
+            logger.log(logging.DEBUG if quiet else logging.WARNING, "finalize of instance %s failed: %s",
+                       instance_id, exc)
         except Exception as exc:  # never raise from cleanup
             logger.warning("finalize of instance %s failed: %r", instance_id, exc)
+        self._leftovers.pop(instance_id, None)
+        return True
+
+    def _keep_leftover(self, instance_id: str, base: str, job_id: str | None) -> None:
+        if instance_id not in self._leftovers and len(self._leftovers) >= MAX_LEFTOVERS:
+            dropped = next(iter(self._leftovers))  # the oldest: its env has most likely expired it by now
+            del self._leftovers[dropped]
+            logger.warning("more than %d instances wait to be finalized at %s; instance %s is forgotten",
+                           MAX_LEFTOVERS, self.name, dropped)
+        self._leftovers[instance_id] = (base, job_id)
+
+    def unfinalized_instances(self) -> list[str]:
+        return list(self._leftovers)
+
+    def adopt_unfinalized(self, instance_ids: list[str]) -> None:
+        for instance_id in instance_ids:
+            if instance_id not in self._instances and instance_id not in self._leftovers:
+                self._keep_leftover(instance_id, self.shard_for(instance_id), self.job_id)
+
+    async def finalize_leftovers(self) -> int:
+        """POST /finalize for every instance whose finalize did not reach its server (concurrently,
+        within the connection pool); how many still could not be finalized."""
+        leftovers = list(self._leftovers.items())
+        await asyncio.gather(*(self._send_finalize(iid, base, job_id, quiet=True)
+                               for iid, (base, job_id) in leftovers))
+        return len(self._leftovers)
 
     async def check_endpoints(self, timeout_s: float = 5.0) -> None:
         """``GET /health`` of every shard by this interaction's route, concurrently."""

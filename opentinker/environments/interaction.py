@@ -127,6 +127,10 @@ class Interaction(ABC):
     #: None: any keys (a class that passes its config on).
     config_keys: frozenset[str] | None = None
 
+    #: Whether an instance lives on an env server until finalized (not with a connection): a
+    #: job's runner then keeps the ids of its open instances on disk, for a restart to finalize.
+    keeps_instances_at_env: bool = False
+
     def __init__(self, config: dict[str, Any] | None = None):
         self.config: dict[str, Any] = dict(config or {})
         self.name: str = str(self.config.get("name", type(self).__name__))
@@ -139,6 +143,12 @@ class Interaction(ABC):
         ``timeout_s`` when given (``name`` and ``timeout_s`` are read here for every class)."""
         value = self.config.get("timeout_s")
         return None if value is None else float(value)
+
+    def start_deadline_s(self) -> float | None:
+        """How long ``start_interaction`` may take in all (None: no deadline; an interaction whose
+        start may queue behind its own episodes bounds its waits itself). By default the same
+        as every other call."""
+        return self.call_deadline_s()
 
     def endpoint_for(self, instance_id: str) -> str:
         """What to name in errors about ``instance_id``'s calls (a URL for a server)."""
@@ -199,6 +209,24 @@ class Interaction(ABC):
     async def aclose(self) -> None:
         """Release what the interaction holds between instances (connections); called when its
         event loop ends. It may be used again afterwards. By default nothing to release."""
+
+    # Instances left open at the env by a failure: an interaction whose instances live on its
+    # env server until finalized (the gym protocol) keeps those whose finalize could not reach
+    # the server and finalizes them again before the next step; a job's runner keeps their ids
+    # on disk (``engine/env_instances.py``), so that a restarted runner finalizes what the
+    # previous process left open. By default there is nothing: an instance ends with its
+    # connection (an OpenEnv session), or lives in this process.
+
+    def unfinalized_instances(self) -> list[str]:
+        """Instances whose finalize did not reach their env server (it could not be reached)."""
+        return []
+
+    def adopt_unfinalized(self, instance_ids: list[str]) -> None:
+        """Take on instances a previous process of the job may have left open at the env."""
+
+    async def finalize_leftovers(self) -> int:
+        """Finalize the instances left open (one try each); how many are still open afterwards."""
+        return 0
 
     # Helpers for subclasses -------------------------------------------------------------
 

@@ -76,6 +76,7 @@ from opentinker.environments.openenv_sessions import (
 )
 from opentinker.environments.templates import checked_template, template_names
 from opentinker.environments.transport import BadAnswer, NoAnswer
+from opentinker.json_limits import JsonTooDeep
 
 if TYPE_CHECKING:
     from opentinker.environments.transport import EnvSession
@@ -206,7 +207,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         self.sessions = SessionOpener(self._transport, timeout_s=self.timeout_s, retries=self.retries,
                                       backoff_s=self.backoff_s, max_connections=self.max_connections,
                                       capacity_wait_s=self.capacity_wait_s)
-        self._plan_locks: dict[str, asyncio.Lock] = {}
+        self._plan_reads: dict[str, asyncio.Task] = {}  # /schema reads under way, per server
         self._plan_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -223,6 +224,13 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         return cls(dict(config or {}), context)
 
     # -- deadlines --------------------------------------------------------------------
+
+    def start_deadline_s(self) -> None:
+        """No deadline over a start as a whole: it may queue behind this interaction's own episodes
+        for a session (a server that serves one at a time serves a step's episodes in turn), and
+        each of its parts is bounded here: the /schema read and the opening by ``timeout_s`` and
+        ``retries``, waiting for a session by ``capacity_wait_s`` without one being freed."""
+        return None
 
     def call_deadline_s(self) -> float:
         """The longest a call may take: a start that reads /schema, waits ``capacity_wait_s`` for
@@ -258,6 +266,8 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
                                              unreachable=answer.status in UNAVAILABLE_STATUSES)
             try:
                 return answer.json()
+            except JsonTooDeep as exc:
+                raise EnvironmentServerError(url, f"answer {exc} ({reply_shape(answer)})") from exc
             except ValueError as exc:
                 raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc
         raise AssertionError("unreachable")  # the loop returns or raises
@@ -269,23 +279,34 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         return _Plan(action_field, observation_field)
 
     async def _plan(self, base: str) -> _Plan:
+        """The server's plan, from one /schema read however many episodes start at once: they
+        all wait on that read, and all fail together when it fails (a later start reads again)."""
         plan = self._plans.get(base)
         if plan is not None:
             return plan
         loop = asyncio.get_running_loop()
-        if self._plan_loop is not loop:  # locks belong to one loop (the agent runner's)
-            self._plan_loop, self._plan_locks = loop, {}
-        lock = self._plan_locks.setdefault(base, asyncio.Lock())
-        async with lock:  # one /schema read per server, however many episodes start at once
-            plan = self._plans.get(base)
-            if plan is None:
-                schema = await self._fetch_schema(base, self.timeout_s, self.retries)
-                try:
-                    plan = self._plan_from(schema)
-                except ValueError as exc:
-                    raise EnvironmentServerError(join_url(self._transport.describe(base), "schema"), str(exc)) from exc
-                self._plans[base] = plan
+        if self._plan_loop is not loop:  # futures belong to one loop (the agent runner's)
+            self._plan_loop, self._plan_reads = loop, {}
+        read = self._plan_reads.get(base)
+        if read is None:
+            read = self._plan_reads[base] = loop.create_task(self._read_plan(base))
+            read.add_done_callback(lambda done: self._plan_read_done(base, done))
+        return await asyncio.shield(read)  # an episode cancelled while waiting leaves the read to the others
+
+    async def _read_plan(self, base: str) -> _Plan:
+        schema = await self._fetch_schema(base, self.timeout_s, self.retries)
+        try:
+            plan = self._plan_from(schema)
+        except ValueError as exc:
+            raise EnvironmentServerError(join_url(self._transport.describe(base), "schema"), str(exc)) from exc
+        self._plans[base] = plan
         return plan
+
+    def _plan_read_done(self, base: str, read: asyncio.Task) -> None:
+        if self._plan_reads.get(base) is read:
+            del self._plan_reads[base]
+        if not read.cancelled():
+            read.exception()  # retrieved here too: every waiter may have been cancelled
 
     async def check_schema(self, timeout_s: float = 5.0, include_unreachable: bool = True) -> list[str]:
         """What keeps this config from working with its servers' ``/schema`` (an action_field the

@@ -7,8 +7,9 @@ one with ``CAPACITY_REACHED``. That is not an env error: :meth:`SessionOpener.op
 so that from then on this interaction opens no more sessions there at once (the rest queue
 here, first come first served, in a :class:`SessionGate`). A session keeps its connection for
 its whole episode, so the connection pool bounds the sessions too. An unreachable server is
-retried (``retries``, ``backoff_s``); past ``capacity_wait_s`` of waiting for a slot the episode
-fails as unreachable (the trainer's outage rule then waits for the server).
+retried (``retries``, ``backoff_s``). An episode waits in the queue as long as it moves; once no
+slot was freed for ``capacity_wait_s``, or the server kept refusing for that long, the episode
+fails as unreachable (the trainer's outage rule then waits for the server and redoes the step).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -54,28 +56,39 @@ class SessionGate:
     def __init__(self, limit: int | None):
         self.limit = limit
         self.held = 0
+        self.moved_at = time.monotonic()  # when a slot was last freed or handed out
         self._waiting: deque[asyncio.Future] = deque()
 
     def _free(self) -> bool:
         return self.limit is None or self.held < self.limit
 
-    async def acquire(self, timeout_s: float) -> bool:
-        """Take a slot within ``timeout_s``; False when none came."""
+    async def acquire(self, idle_timeout_s: float) -> bool:
+        """Take a slot; False once no slot was freed or handed out to anyone for ``idle_timeout_s``
+        (while slots change hands the queue moves, and a place in it is progress, not an outage)."""
         if self._free() and not self._waiting:
             self.held += 1
+            self.moved_at = time.monotonic()
             return True
-        if timeout_s <= 0:
+        if idle_timeout_s <= 0:
             return False
         waiter = asyncio.get_running_loop().create_future()
         self._waiting.append(waiter)
+        started = time.monotonic()
         try:
-            await asyncio.wait_for(waiter, timeout_s)  # _wake counted the slot as held for us
-            return True
-        except (asyncio.TimeoutError, TimeoutError):
-            return False
+            while True:
+                left = max(started, self.moved_at) + idle_timeout_s - time.monotonic()
+                if left <= 0:
+                    return waiter.done()  # _wake may have handed it a slot just now
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter), left)  # _wake counted the slot as held for us
+                    return True
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue
         except BaseException:
             if waiter.done() and not waiter.cancelled():  # handed a slot, then cancelled: give it back
                 self.release()
+            else:
+                waiter.cancel()
             raise
         finally:
             if waiter in self._waiting:
@@ -83,6 +96,7 @@ class SessionGate:
 
     def release(self) -> None:
         self.held -= 1
+        self.moved_at = time.monotonic()
         self._wake()
 
     def learn(self, limit: int) -> None:
@@ -94,6 +108,7 @@ class SessionGate:
             waiter = self._waiting.popleft()
             if not waiter.done():
                 self.held += 1
+                self.moved_at = time.monotonic()
                 waiter.set_result(None)
 
 
@@ -198,20 +213,20 @@ class SessionOpener:
         for a slot, backs off from CAPACITY_REACHED and retries an unreachable server."""
         base, url = episode.base, self.ws_url(episode.base)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.capacity_wait_s
+        refused_since: float | None = None  # the server's own capacity: waited for from its first refusal
         gate, pool = self.gate(base), self.pool_gate()
         failures = refusals = 0
         while True:
-            if not await gate.acquire(deadline - loop.time()):
+            if not await gate.acquire(self.capacity_wait_s):
                 raise EnvironmentServerError(
-                    url, f"no env session free within capacity_wait_s={self.capacity_wait_s:g}s (the server takes "
+                    url, f"no env session was freed for capacity_wait_s={self.capacity_wait_s:g}s (the server takes "
                          f"{gate.limit} sessions at once; this interaction's other episodes hold them)",
                     unreachable=True)
             episode.gates = (gate,)
-            if not await pool.acquire(deadline - loop.time()):
+            if not await pool.acquire(self.capacity_wait_s):
                 await self.release(episode)
                 raise EnvironmentServerError(
-                    url, f"no connection free for a session within capacity_wait_s={self.capacity_wait_s:g}s "
+                    url, f"no connection was freed for a session for capacity_wait_s={self.capacity_wait_s:g}s "
                          f"(max_connections={self.max_connections} holds {pool.limit} sessions at once; this "
                          "interaction's other episodes hold them)", unreachable=True)
             episode.gates = (gate, pool)
@@ -229,7 +244,8 @@ class SessionOpener:
                 self._learn_limit(base, gate, full.maximum)
                 delay = min(CAPACITY_MAX_DELAY_S, CAPACITY_FIRST_DELAY_S * 2 ** (refusals - 1))
                 delay *= random.uniform(0.5, 1.0)
-                if loop.time() + delay > deadline:
+                refused_since = loop.time() if refused_since is None else refused_since
+                if loop.time() + delay > refused_since + self.capacity_wait_s:
                     at = f" ({full.active}/{full.maximum} sessions)" if full.maximum is not None else ""
                     raise EnvironmentServerError(
                         url, f"the env server stayed at capacity{at} for capacity_wait_s={self.capacity_wait_s:g}s "

@@ -10,7 +10,7 @@ the route decides where that goes.
 Every call ends in an :class:`Answer` (any status) or one of two errors: :class:`NoAnswer`
 (the server could not be reached, the connection broke, or the time ran out: worth a retry,
 and an outage when it lasts) and :class:`BadAnswer` (something came that cannot be used: too
-large, not JSON where JSON is due). A session (:class:`EnvSession`) is one WebSocket
+large, not JSON where JSON is due, JSON nested deeper than ``MAX_ENV_JSON_DEPTH``). A session (:class:`EnvSession`) is one WebSocket
 connection: one JSON message out, one JSON message back.
 
 Pure Python, no aiohttp: the relay and the thin client import it.
@@ -18,9 +18,10 @@ Pure Python, no aiohttp: the relay and the thin client import it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from opentinker.json_limits import MAX_ENV_JSON_DEPTH, loads_bounded
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "BadAnswer", "EnvSession", "EnvTransport", "NoAnswer"]
 
@@ -35,8 +36,9 @@ class Answer:
     body: bytes
 
     def json(self) -> Any:
-        """The body as JSON (ValueError when it is not)."""
-        return json.loads(self.body)
+        """The body as JSON: ValueError when it is not, :class:`~opentinker.json_limits.JsonTooDeep`
+        (a ValueError) when it nests deeper than an env answer may."""
+        return loads_bounded(self.body, MAX_ENV_JSON_DEPTH)
 
 
 class NoAnswer(Exception):

@@ -173,6 +173,7 @@ def test_a_killed_env_server_is_waited_for_and_no_step_is_lost(tiny_model_dir):
             restart.join()
         for server in servers:
             kill(server)
+    warnings = [w for w in warnings if "env server(s)" in w]  # the outage's (not, e.g., "every reward is 0")
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6] and trainer.global_step == 6
     for metrics in history:  # every step trained, none skipped
         assert metrics["train/skipped"] == 0.0 and metrics["train/skipped_total"] == 0.0
@@ -180,8 +181,9 @@ def test_a_killed_env_server_is_waited_for_and_no_step_is_lost(tiny_model_dir):
     waited = history[2]["train/env_outage_wait_s"]
     assert OUTAGE_S - 1 < waited < OUTAGE_S + 30 and history[2]["train/env_outage_retries"] == 1
     assert [m["train/env_outage_wait_s"] for i, m in enumerate(history) if i != 2] == [0.0] * 5
-    assert warnings[0].startswith(f"step 3: waiting for env server(s) {url} (interaction 'arith'), which could "
-                                  "not be reached; the step is redone as soon as their /health answers; the job "
+    assert warnings[0].startswith(f"step 3: 4 of 4 episodes could not reach env server(s) {url} (interaction "
+                                  "'arith'); the step is not trained on the rest but redone whole as soon as their "
+                                  "/health answers; the job "
                                   "fails in 300 s otherwise (trainer.env_outage_timeout_s=300); last error: "
                                   f"environment server {url}/reset failed: ClientConnectorError")
     # at most one "still waiting" per 10 s (none, unless a slow restart missed the 15.5 s probe)
@@ -207,10 +209,10 @@ def test_the_wait_backs_off_warns_every_10_s_and_gives_up_naming_the_timeout():
 
     outage = EnvOutage(7, 60, probe, warnings.append, clock=lambda: now[0], sleep=sleep)
     with pytest.raises(EnvironmentUnavailableError) as err:
-        outage.wait({url: f"{url} (interaction 'arith')"}, "the first error")
+        outage.wait({url: f"{url} (interaction 'arith')"}, "the first error", 4, 4)
     # 0.5 s doubling to 10 s between probes; the last sleep ends at the timeout
     assert probed_at == pytest.approx([0.5, 1.5, 3.5, 7.5, 15.5, 25.5, 35.5, 45.5, 55.5, 60])
-    assert warnings[0].startswith(f"step 7: waiting for env server(s) {url} (interaction 'arith'), which could")
+    assert warnings[0].startswith(f"step 7: 4 of 4 episodes could not reach env server(s) {url} (interaction 'arith')")
     assert warnings[0].endswith("the job fails in 60 s otherwise (trainer.env_outage_timeout_s=60); "
                                 "last error: the first error")
     # then at most one per 10 s, with the last probe's error
@@ -261,7 +263,7 @@ def test_a_job_whose_env_server_never_comes_back_fails_when_the_timeout_is_up(ti
     assert waited and float(waited.group(1)) >= 2.0, outcome["error"]
     assert "last error: environment server " in outcome["error"] and "ClientConnectorError" in outcome["error"]
     warnings = warning_events(events)
-    assert len(warnings) == 1 and warnings[0].startswith(f"step 1: waiting for env server(s) {url} ")
+    assert len(warnings) == 1 and warnings[0].startswith(f"step 1: 4 of 4 episodes could not reach env server(s) {url} ")
     assert "the job fails in 2 s otherwise (trainer.env_outage_timeout_s=2)" in warnings[0]
     assert [e["type"] for e in events if e["type"] in ("metrics", "progress", "error")] == ["error"]
     assert time.monotonic() - started < 120

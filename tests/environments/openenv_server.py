@@ -6,9 +6,10 @@ another python with ``openenv==0.10.0``). Tests that need it skip, saying so, wh
 The env: the arithmetic question the tiny model was warmed up on ("What is a + b?", drawn from
 the reset's seed), graded on the first integer of the answer (reward 1.0, done), with
 ``max_tries`` tries (reset kwarg, 3 by default: a wrong answer says so and asks again). The
-answer "crash" makes the env raise; "sleep N" makes it sleep N seconds first. ``GET /stats``
-counts env instances (live now, the most at once, made in all) and records each reset's
-episode id, seed and other kwargs.
+answer "crash" makes the env raise; "sleep N" makes it sleep N seconds first; "deep" makes it
+answer an observation nested 200 levels deep (so does every step after ``POST /fault
+{"deep_steps": K}``, K times). ``GET /stats`` counts env instances (live now, the most at once,
+made in all) and records each reset's episode id, seed and other kwargs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class ArithObservation(Observation):
 
 LOCK = threading.Lock()
 STATS = {"live": 0, "peak": 0, "created": 0, "resets": {}}
+FAULTS = {"deep_steps": 0}  # POST /fault {"deep_steps": K}: the next K steps answer nested DEEP levels
+DEEP = 200
 
 
 class ArithEnv(Environment):
@@ -79,6 +82,15 @@ class ArithEnv(Environment):
     def step(self, action, timeout_s=None, **kwargs):
         if action.answer == "crash":
             raise RuntimeError("the simulator crashed")
+        with LOCK:
+            deep = FAULTS["deep_steps"] > 0 or action.answer.startswith("deep")
+            FAULTS["deep_steps"] = max(0, FAULTS["deep_steps"] - 1)
+        if deep:  # an answer nested DEEP levels (in the observation's metadata)
+            nested = {}
+            for _ in range(DEEP):
+                nested = {"x": nested}
+            self._state.step_count += 1
+            return ArithObservation(text="deep", tries=self._state.step_count, metadata={"deep": nested})
         if action.answer.startswith("sleep "):
             time.sleep(float(action.answer.split()[1]))
         self._state.step_count += 1
@@ -101,7 +113,14 @@ app = create_fastapi_app(ArithEnv, ArithAction, ArithObservation, max_concurrent
 @app.get("/stats")
 def stats():
     with LOCK:
-        return {**STATS, "resets": dict(STATS["resets"])}
+        return {**STATS, "resets": dict(STATS["resets"]), **FAULTS}
+
+
+@app.post("/fault")
+def fault(faults: dict):
+    with LOCK:
+        FAULTS["deep_steps"] = int(faults.get("deep_steps", 0))
+        return dict(FAULTS)
 
 
 if __name__ == "__main__":
@@ -163,6 +182,10 @@ class OpenEnvServer:
 
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/stats", timeout=10.0, trust_env=False).json()
+
+    def fault(self, deep_steps: int) -> None:
+        """The next ``deep_steps`` steps answer an observation nested 200 levels deep."""
+        httpx.post(f"{self.url}/fault", json={"deep_steps": deep_steps}, timeout=10.0, trust_env=False)
 
     def wait_idle(self, timeout_s: float = 10.0) -> dict:
         """The stats once no env instance is live (the server closes them as sessions end)."""

@@ -32,10 +32,12 @@ from opentinker.environments import env_http
 from opentinker.environments.interaction import EnvironmentServerError, InitialObservation, InteractionContext
 from opentinker.environments.server import create_env_app, running_app_servers
 
+from ..tcp_proxy import TcpProxy
+
 SLOW_SECONDS = 1.0
 SECRET = "SECRET-TOKEN-of-another-service"
 MODES = ("ok", "flaky", "flakystep", "err500", "err400", "slow", "badjson", "list", "missing", "missingstep",
-         "html500", "proto400", "longerror", "redirect", "err503", "huge")
+         "html500", "proto400", "longerror", "redirect", "err503", "huge", "deep")
 
 
 def make_app(server_id: str, mode: str, state: SimpleNamespace) -> FastAPI:
@@ -68,6 +70,8 @@ def make_app(server_id: str, mode: str, state: SimpleNamespace) -> FastAPI:
             return Response(f"this is {{not json {SECRET}", media_type="application/json")
         if mode == "list":
             return JSONResponse([1, 2, 3])
+        if mode == "deep":  # JSON nested 100,000 levels: json.loads alone would raise RecursionError
+            return Response("[" * 100_000 + "]" * 100_000, media_type="application/json")
         if mode == "huge":  # one byte over what is read of an answer
             return Response(b"x" * (env_http.MAX_ANSWER_BYTES + 1), media_type="application/json")
         if mode == "missing" and route == "reset":
@@ -424,7 +428,8 @@ def test_503_is_retried_and_counts_as_unreachable(server):
 
 @pytest.mark.parametrize(
     "mode, message",
-    [("badjson", "invalid JSON"), ("list", "JSON object"), ("missing", "observation")],
+    [("badjson", "invalid JSON"), ("list", "JSON object"), ("missing", "observation"),
+     ("deep", "answer JSON nested deeper than 64 levels")],
 )
 def test_malformed_reset_answers(server, mode, message):
     async def main():
@@ -591,6 +596,33 @@ def test_finalize_never_raises(server):
             await env.finalize_interaction("never-started")
 
     run(main())
+
+
+def test_a_finalize_that_cannot_reach_its_server_is_sent_again_later(server):
+    """The env server stays up but the way to it breaks (a proxy that refuses, as a dropped relay or
+    a network fault would): the finalize is kept and sent again by finalize_leftovers once the way
+    is back, so the env is left with no open instance; one answered (even with an error) is done."""
+    port = int(server.url().rsplit(":", 1)[1])
+    with TcpProxy(port) as proxy:
+        async def main():
+            async with make_env(proxy.url, retries=0) as env:
+                iids = [await env.start_interaction(f"left-{i}") for i in range(3)]
+                proxy.refuse()
+                for iid in iids:
+                    await env.finalize_interaction(iid)
+                assert sorted(env.unfinalized_instances()) == sorted(iids) and env.active_instances == 0
+                assert await env.finalize_leftovers() == 3  # still unreachable: kept
+                proxy.accept()
+                assert await env.finalize_leftovers() == 0
+                assert env.unfinalized_instances() == []
+                env.adopt_unfinalized(["from-a-crashed-process"])  # a journal's ids: unknown here, finalized too
+                assert await env.finalize_leftovers() == 0
+                return iids
+
+        iids = run(main())
+    state = server.app.state
+    assert all(iid in state.finalized and iid not in state.instances for iid in iids)
+    assert "from-a-crashed-process" in state.finalized
 
 
 def test_check_endpoint(server):

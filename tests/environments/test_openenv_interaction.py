@@ -345,6 +345,84 @@ def test_an_episode_waits_for_capacity_past_a_steps_deadline_and_gives_up_after_
     assert "capacity" in error.cause and "capacity_wait_s=0.5s" in error.cause
 
 
+def test_a_deep_answer_is_that_episodes_env_error(server):
+    """An observation nested 200 levels deep (the env's own answer) fails that episode as an env
+    error of the env's own, naming the bound, instead of a RecursionError that fails the job."""
+
+    async def main():
+        async with make_env(server.url) as env:
+            iid = await env.start_interaction("deep-1", seed=5)
+            with pytest.raises(EnvironmentServerError) as err:
+                await env.generate_response(iid, turn("deep"))
+            assert env.open_sessions == 0  # the session went with the episode
+            await env.finalize_interaction(iid)
+            return err.value
+
+    error = run(main())
+    assert error.unreachable is False and "nested deeper than 64 levels" in error.cause
+    assert server.wait_idle()["live"] == 0
+
+
+def test_a_queue_that_moves_is_waited_for_past_capacity_wait_s(tmp_path):
+    """One session at a time, six episodes that hold it 0.4 s each: the last waits about 2 s, more
+    than capacity_wait_s=1 s, and still runs, because slots kept being freed meanwhile (waiting
+    behind one's own episodes is progress, not an outage); the start has no deadline of its own."""
+    with running_openenv_server(tmp_path, max_concurrent_envs=1) as live:
+        async def episode(env: OpenEnvInteraction, seed: int) -> float:
+            iid = await env.start_interaction(f"queue-{seed}", seed=seed)
+            try:
+                await asyncio.sleep(0.4)
+                return (await env.generate_response(iid, turn(str(question(seed)[1]))))[2]
+            finally:
+                await env.finalize_interaction(iid)
+
+        async def main():
+            async with make_env(live.url, capacity_wait_s=1.0) as env:
+                assert env.start_deadline_s() is None
+                start = time.perf_counter()
+                rewards = await asyncio.gather(*(episode(env, seed) for seed in range(6)))
+                return rewards, time.perf_counter() - start
+
+        rewards, took = run(main())
+        stats = live.wait_idle()
+    assert rewards == [1.0] * 6 and took > 2.0
+    assert stats["peak"] == 1 and stats["live"] == 0
+
+
+def test_a_schema_that_never_answers_fails_the_episodes_waiting_on_it_together():
+    """Eight episodes start at once on a server whose /schema never answers: one read (with its
+    retries) is made for all of them, and all fail with its error, instead of each waiting
+    episode reading it again in turn (8 x the retries x timeout_s)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked = []
+
+    class Silent(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            asked.append(self.path)
+            time.sleep(3.0)
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        async def main():
+            async with make_env(f"http://127.0.0.1:{http.server_address[1]}", timeout_s=0.3, retries=1,
+                                backoff_s=0.0) as env:
+                return await asyncio.gather(*(env.start_interaction(f"s-{i}") for i in range(8)),
+                                            return_exceptions=True)
+
+        results = run(main())
+    finally:
+        http.shutdown()
+    assert all(isinstance(r, EnvironmentServerError) and r.unreachable for r in results)
+    assert len({str(r) for r in results}) == 1  # the same read's error
+    assert asked == ["/schema", "/schema"]  # one read: a try and its retry
+
+
 # -- building it -----------------------------------------------------------------------
 
 

@@ -191,6 +191,7 @@ async def get_job(request: Request, job: JobRecord = Depends(owned_job)) -> JobI
     "/{job_id}/cancel", response_model=JobInfo, summary="Stop a job after its current step", responses=error_responses(404)
 )
 async def cancel_job(
+    request: Request,
     job: JobRecord = Depends(owned_job),
     store: Store = Depends(get_store),
     manager: JobManager = Depends(get_manager),
@@ -199,7 +200,7 @@ async def cancel_job(
         await manager.cancel(job.job_id)
     updated = store.get_job(job.job_id)
     assert updated is not None
-    return updated.info()
+    return job_info(updated, request)
 
 
 @router.post(
@@ -210,6 +211,7 @@ async def cancel_job(
     responses=error_responses(404, 409, 429),
 )
 async def resume_job(
+    request: Request,
     job: JobRecord = Depends(owned_job),
     user: User = Depends(current_user),
     store: Store = Depends(get_store),
@@ -232,4 +234,4 @@ async def resume_job(
                             "trainer.save_freq or POST /v1/jobs/{id}/checkpoints)")
     updated = store.get_job(job.job_id)
     assert updated is not None
-    return updated.info()
+    return job_info(updated, request)
