@@ -196,17 +196,18 @@ class JobHandle:
 
     def stop_relay(self, info: JobInfo | None = None) -> None:
         """Stop carrying the job's env calls (they wait, as for an env outage, until a client
-        attaches); once the job has finished, the specs kept on this machine are dropped too."""
+        attaches); once the job has completed, the specs kept on this machine are dropped too (a
+        failed, cancelled or interrupted job may be resumed: ``attach()`` then needs them)."""
         from opentinker.client.relay import forget
 
         if self.relay is None:
             return
         self.relay.stop()
         try:
-            finished = (info or self.info()).status.finished
+            completed = (info or self.info()).status is JobStatus.COMPLETED
         except OpenTinkerError:
             return
-        if finished:
+        if completed:
             forget(self.client, self.job_id)
 
     def attach(

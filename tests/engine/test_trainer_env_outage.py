@@ -34,6 +34,8 @@ from opentinker.environments.server import running_env_server
 from opentinker.server.policy import JobPolicy
 from opentinker.server.runner import JobRunner
 
+from ..tcp_proxy import TcpProxy
+
 SMALL = [
     "trainer.progress_bar=false", "trainer.test_freq=-1", "data.max_response_length=16",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=1", "data.train_batch_size=2",
@@ -283,3 +285,62 @@ def test_a_cancel_ends_the_wait_for_an_env_server(tiny_model_dir, tmp_path):
     thread.join(timeout=60)
     assert outcome == {"status": "cancelled", "error": None, "step": 0}
     assert time.monotonic() - cancelled < 5  # within a sleep slice or a probe, not the 300 s
+
+
+def test_a_step_that_lost_some_episodes_to_an_outage_is_redone_whole_not_trained_on_the_rest(tiny_model_dir):
+    """Two env shards; the way to one of them is cut during step 2 (a proxy that refuses, as a
+    dropped relay or a network fault would): its episodes fail, the other shard's succeed. Step 2 is
+    not trained on the survivors (the quick successes, a biased sample) but redone whole once the
+    way is back: every step trains all 8 samples, no env error, one retry; the cut episodes'
+    finalize reaches the env afterwards, so no instance is left open."""
+    with running_env_server(ArithmeticEnv, num_shards=2) as (near, far):
+        with TcpProxy(int(far.rsplit(":", 1)[1])) as proxy:
+            reopen = threading.Timer(3.0, proxy.accept)
+            config = make_config([*SMALL, "trainer.total_training_steps=3", "data.train_batch_size=4"])
+            interaction = GymEnvironmentInteraction({"env_endpoint": near, "env_shards": [near, proxy.url],
+                                                     "retries": 0})
+            try:
+                with RLTrainer(config, train_rows=data_free_rows(12), interactions={"arith": interaction}) as trainer:
+                    warnings: list[str] = []
+                    trainer.on_warning = warnings.append
+
+                    def on_step(step, metrics):
+                        if step == 1:
+                            proxy.refuse()
+                            reopen.start()
+
+                    history = trainer.fit(on_step=on_step)
+            finally:
+                reopen.cancel()
+            live = [httpx.get(f"{url}/health", trust_env=False).json()["instances"] for url in (near, far)]
+    assert [m["step"] for m in history] == [1, 2, 3]
+    for metrics in history:
+        assert metrics["env/arith/samples"] == 8 and metrics["env/arith/env_errors"] == 0
+        assert metrics["rollout/excluded_trajectories"] == 0 and metrics["train/skipped"] == 0.0
+    assert history[1]["train/env_outage_retries"] == 1
+    cut = [w for w in warnings if "could not reach env server(s)" in w]
+    assert len(cut) == 1 and re.match(r"step 2: [1-7] of 8 episodes could not reach env server\(s\) "
+                                      + re.escape(proxy.url), cut[0])  # some, not all: the rest succeeded
+    assert any("answered again" in w and "the step was redone (try 2)" in w for w in warnings)
+    assert live == [0, 0]
+
+
+def test_env_instances_a_killed_process_left_open_are_finalized_by_the_next_one(tiny_model_dir, tmp_path):
+    """The run's folder journals the instances of the step in flight: a process killed mid-step
+    leaves their ids there, and the next process of the run finalizes them before its first step."""
+    from opentinker.engine.env_instances import EnvInstanceJournal
+
+    with running_env_server(ArithmeticEnv) as (url,):
+        left = [f"orphan-{i}" for i in range(3)]
+        for iid in left:  # what the killed process had reset and not finalized
+            assert httpx.post(f"{url}/reset", json={"instance_id": iid}, trust_env=False).status_code == 200
+        assert httpx.get(f"{url}/health", trust_env=False).json()["instances"] == 3
+        EnvInstanceJournal.in_folder(tmp_path).write({"arith": left})
+        config = make_config([*SMALL, "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path}"])
+        with RLTrainer(config, train_rows=data_free_rows(4),
+                       interactions={"arith": GymEnvironmentInteraction({"env_endpoint": url})}) as trainer:
+            trainer.fit()
+        health = httpx.get(f"{url}/health", trust_env=False).json()
+    assert health["instances"] == 0
+    assert health["jobs"]["default"]["finalized"] == 3 + 4  # the orphans, then the step's own episodes
+    assert not (tmp_path / "env_instances.json").exists()  # nothing left open: nothing kept
