@@ -4,7 +4,9 @@ Why not httpx (the client's library elsewhere): a relay makes every call of a tr
 once (128 episodes: 384 calls), and httpx's pool spends about 1.2 ms of CPU on each of them
 (``benchmarks/env_calls.py``: 384 calls in 0.45 s at its best pool size, against 0.11 s for
 aiohttp, which the thin client does not install). h11 (already installed with httpx) parses
-and writes HTTP/1.1; this module only keeps a few keep-alive connections per endpoint.
+and writes HTTP/1.1; this module only keeps keep-alive connections, at most
+``max_connections`` per endpoint (the relay makes it its own ``max_concurrent``, so the env
+sees as many calls at once as the relay makes).
 
 One :class:`LocalHTTP` per event loop. ``request`` returns ``(status, content_type, body)`` or
 raises :class:`LocalCallFailed` (``unreachable``: nothing came back: refused, broken, timed
@@ -48,7 +50,7 @@ class _Connection:
 
 
 class LocalHTTP:
-    """Keep-alive connections (at most ``max_connections`` per endpoint) to env servers."""
+    """Keep-alive connections (at most ``max_connections`` per endpoint, open or in use) to env servers."""
 
     def __init__(self, max_connections: int = 16, max_body_bytes: int = 16 << 20):
         self.max_connections = max_connections

@@ -14,14 +14,27 @@ What it forwards is decided here, from the user's own interaction specs, never b
 - only the env protocol's calls: the gym protocol's ``POST /reset``, ``/step``, ``/finalize``
   and ``GET /health``; OpenEnv's ``GET /health``, ``GET /schema`` and WebSocket sessions on
   ``/ws`` whose messages are ``reset``, ``step``, ``state`` or ``close``;
-- answers of at most 16 MiB; redirects are never followed, proxies never used for the env;
-- at most ``max_concurrent`` calls at once: past that, the relay stops reading (backpressure)
-  and the server's calls wait; at most ``MAX_SESSIONS`` open env sessions.
+- answers of at most 16 MiB, and an env's JSON (an OpenEnv message) nested at most
+  ``MAX_ENV_JSON_DEPTH`` levels; redirects are never followed, proxies never used for the env;
+- at most ``max_concurrent`` (64) calls at once to the env (its HTTP connections too: up to
+  that many per endpoint). Frames are read as they come, however busy the env is, so the
+  server's keepalive pings are always answered; calls wait in a queue of at most
+  ``MAX_QUEUED_CALLS`` (16,384) calls and ``MAX_QUEUED_BYTES`` (256 MiB) of frames, and a call
+  past that is answered ``no_answer`` at once (the relay is busy: the server treats it as an
+  env outage);
+- at most ``max_sessions`` (``MAX_SESSIONS``, 4096) env sessions open or being opened (a slot
+  is taken before connecting), and a session with no exchange for ``session_idle_s`` (600 s)
+  is closed; all of them close when the connection to the server does.
+
+A frame that cannot be used (not JSON, nested deeper than ``RELAY_FRAME_DEPTH``, a call
+without an integer id, a malformed hello) is skipped, and logged at most once per
+``LOG_INTERVAL_S`` with a count; a call of the wrong shape is answered ``refused``.
 
 So a compromised server can make the relay send only what the job could anyway: env calls to
-the env the user chose. A dropped connection is retried with backoff (the job waits for its
-env meanwhile, as for any env outage, and redoes the step once the relay is back); refusals
-that cannot change (a wrong key, a finished job) end the relay.
+the env the user chose. A dropped connection, and anything unforeseen while serving one, is
+retried with backoff (the job waits for its env meanwhile, as for any env outage, and redoes
+the step once the relay is back); refusals that cannot change (a wrong key, a finished job), a
+bad server URL or a crash of the relay's thread end the relay, and :attr:`EnvRelay.error` says why.
 
 The relay runs in a thread of its own with its own event loop; :meth:`EnvRelay.start` and
 :meth:`EnvRelay.stop` are called from the user's thread. Its specs are also kept on disk
@@ -33,13 +46,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import random
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +65,7 @@ from opentinker.client.local_http import LocalCallFailed, LocalHTTP
 from opentinker.environments.registry import InteractionSpec
 from opentinker.environments.relay import relay_mode
 from opentinker.environments.transport import MAX_ANSWER_BYTES
+from opentinker.json_limits import MAX_ENV_JSON_DEPTH, JsonTooDeep, loads_bounded
 
 if TYPE_CHECKING:
     from opentinker.client.client import OpenTinkerClient
@@ -58,9 +74,16 @@ __all__ = ["EnvRelay", "forget", "local_problems", "recall", "relayed_specs", "r
 
 log = logging.getLogger("opentinker.client.relay")
 
-MAX_SESSIONS = 4096
+MAX_SESSIONS = 4096  # env sessions open or being opened at once (the default of ``max_sessions``)
+SESSION_IDLE_S = 600.0  # a session with no exchange for this long is closed (the default of ``session_idle_s``)
 MAX_CALL_BYTES = 64 << 20  # the largest message taken from the server (a call carries an action)
+#: How deeply a frame from the server may nest: an env's JSON (an action, a message) inside the call's envelope.
+RELAY_FRAME_DEPTH = MAX_ENV_JSON_DEPTH + 8
+MAX_QUEUED_CALLS = 16_384  # calls read and not answered yet; past that (or the bytes below) a call is answered busy
+MAX_QUEUED_BYTES = 256 << 20
 MAX_TIMEOUT_S = 3600.0
+CLOSED_RECV_S = 1.0  # how long to wait for what an env sent before it closed a session
+LOG_INTERVAL_S = 5.0  # at most one line per this long about skipped frames, and about refused calls
 #: How a server refusal ends the relay: these statuses will not change by retrying.
 _FINAL_CLOSE_CODES = {4401: "the API key was refused", 4403: "client relays are turned off on the server",
                       4404: "the server has no such job of yours", 4409: "the job needs no relay (it has finished)"}
@@ -75,6 +98,9 @@ _HTTP_CALLS = {_GYM: {("POST", "reset"), ("POST", "step"), ("POST", "finalize"),
                _OPENENV: {("GET", "health"), ("GET", "schema")}}
 _SESSION_PATHS = {_OPENENV: {"ws"}}
 _SESSION_MESSAGES = {"reset", "step", "state", "close"}
+#: The types a call's fields must have when present (the rest are checked where they are used).
+_CALL_FIELDS: dict[str, type] = {"op": str, "interaction": str, "method": str, "path": str, "session": str,
+                                 "message": dict}
 
 
 class _Refused(Exception):
@@ -193,7 +219,7 @@ def forget(client: OpenTinkerClient, job_id: str) -> None:
         _record_path(client, job_id).unlink()
 
 
-# ---------------------------------------------------------------------- the relay
+# ---------------------------------------------------------------------- frames and answers
 
 
 def _ws_url(http_url: str) -> str:
@@ -207,29 +233,259 @@ def _timeout(call: dict[str, Any]) -> float:
     return float(value)
 
 
+def _backoff(failures: int) -> float:
+    """Seconds to wait before connecting again after ``failures`` tries in a row."""
+    return min(10.0, 0.25 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
+
+
+def _frame(data: str | bytes) -> dict[str, Any]:
+    """The message of one frame from the server; ValueError saying why it cannot be used."""
+    if not isinstance(data, str):
+        raise ValueError("a binary frame")
+    try:
+        message = loads_bounded(data, max_depth=RELAY_FRAME_DEPTH)
+    except JsonTooDeep as exc:
+        raise ValueError(f"a frame of {exc}") from None
+    except ValueError:
+        raise ValueError("a frame that is not JSON") from None
+    if not isinstance(message, dict):
+        raise ValueError("a frame that is not a JSON object")
+    return message
+
+
+def _frame_bytes(text: str) -> int:
+    """The size of a text frame on the wire (UTF-8)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _shape_problem(call: dict[str, Any]) -> str | None:
+    """What is wrong with the types of a call's fields (None: nothing)."""
+    for key, kind in _CALL_FIELDS.items():
+        value = call.get(key)
+        if value is not None and not isinstance(value, kind):
+            return f"its {key} is a {type(value).__name__}, not a {kind.__name__}"
+    return None
+
+
+def _answer_frame(call_id: int, answer: dict[str, Any]) -> str:
+    """The frame that answers call ``call_id``. A text frame must be UTF-8, so an env's lone
+    surrogate (JSON's ``"\\ud800"``, read into a str) is sent escaped, as JSON allows."""
+    frame = {"type": "answer", "id": call_id, **answer}
+    text = json.dumps(frame, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(frame)
+    return text
+
+
+def _session_message(reply: str | bytes) -> dict[str, Any]:
+    """The answer carrying an env session's ``reply``, or the error answer it earns."""
+    if not isinstance(reply, str):
+        return {"error": "bad_answer", "detail": "a binary message where JSON text was due"}
+    try:
+        return {"message": loads_bounded(reply, max_depth=MAX_ENV_JSON_DEPTH)}
+    except JsonTooDeep as exc:
+        return {"error": "bad_answer", "detail": f"a message of {exc}"}
+    except ValueError:
+        return {"error": "bad_answer", "detail": "a message that is not JSON"}
+
+
+class _Throttled:
+    """Warnings of one kind: at most one line per ``interval_s``, which counts the ones it stands for."""
+
+    def __init__(self, what: str, interval_s: float = LOG_INTERVAL_S):
+        self.what = what  # a format string with {count}
+        self.interval_s = interval_s
+        self.count = 0  # in all
+        self._unsaid = 0
+        self._said_at: float | None = None
+
+    def warn(self, job_id: str, latest: str) -> None:
+        self.count += 1
+        self._unsaid += 1
+        now = time.monotonic()
+        if self._said_at is not None and now - self._said_at < self.interval_s:
+            return
+        log.warning("job %s: the client relay %s (the latest: %s)", job_id, self.what.format(count=self._unsaid),
+                    latest)
+        self._unsaid, self._said_at = 0, now
+
+
+# ---------------------------------------------------------------------- calls and sessions
+
+
+class _CallQueue:
+    """The calls of one connection that were read and are not answered yet: at most
+    ``max_calls``, whose frames add up to at most ``max_bytes`` (:meth:`offer` says False past
+    that). Each :meth:`serve` task answers them one at a time, in the order they came."""
+
+    def __init__(self, max_calls: int = MAX_QUEUED_CALLS, max_bytes: int = MAX_QUEUED_BYTES):
+        self.max_calls = max_calls
+        self.max_bytes = max_bytes
+        self.calls = 0
+        self.bytes = 0
+        self._waiting: asyncio.Queue[tuple[dict[str, Any], int]] = asyncio.Queue()
+
+    def offer(self, call: dict[str, Any], size: int) -> bool:
+        if self.calls >= self.max_calls or self.bytes + size > self.max_bytes:
+            return False
+        self.calls += 1
+        self.bytes += size
+        self._waiting.put_nowait((call, size))
+        return True
+
+    async def serve(self, answer: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """``await answer(call)`` for each call as it comes (until cancelled)."""
+        while True:
+            call, size = await self._waiting.get()
+            try:
+                await answer(call)
+            finally:
+                self.calls -= 1
+                self.bytes -= size
+
+
+class _LocalSession:
+    """A WebSocket session with the local env; one exchange at a time."""
+
+    def __init__(self, socket: Any):
+        self.socket = socket
+        self.lock = asyncio.Lock()
+        self.exchanges = 0  # running or waiting for the lock
+        self.used_at = asyncio.get_running_loop().time()
+
+    def idle_for(self, now: float) -> float:
+        """How long the session has had no exchange (0 while it has one)."""
+        return 0.0 if self.exchanges else now - self.used_at
+
+    async def exchange(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.exchanges += 1
+        try:
+            async with self.lock:
+                reply = await self._send_and_receive(message, timeout_s)
+        finally:
+            self.exchanges -= 1
+            self.used_at = asyncio.get_running_loop().time()
+        return reply if isinstance(reply, dict) else _session_message(reply)
+
+    async def _send_and_receive(self, message: dict[str, Any], timeout_s: float) -> str | bytes | dict[str, Any]:
+        """The env's reply to ``message``, or an error answer."""
+        from websockets.exceptions import ConnectionClosed, PayloadTooBig
+
+        try:
+            try:
+                await self.socket.send(json.dumps(message))
+            except ConnectionClosed:
+                # The env may have said why before closing (OpenEnv's CAPACITY_REACHED, sent as it
+                # accepts a session past its max_concurrent_envs): recv() returns what was received
+                # before the close, else raises ConnectionClosed.
+                timeout_s = min(timeout_s, CLOSED_RECV_S)
+            return await asyncio.wait_for(self.socket.recv(), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            return {"error": "no_answer", "detail": f"no message within {timeout_s:g}s"}
+        except PayloadTooBig:
+            return {"error": "bad_answer", "detail": f"a message larger than {MAX_ANSWER_BYTES} bytes"}
+        except ConnectionClosed as closed:
+            return {"error": "no_answer", "detail": f"the env closed the session ({closed})"}
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.socket.close()
+
+
+async def _close_all(sessions: Sequence[_LocalSession]) -> None:
+    await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
+
+
+class _SessionTable:
+    """The relay's env sessions: at most ``limit`` open or being opened (:meth:`reserve` takes a
+    slot before the connection is made, :meth:`settle` keeps the session or frees the slot),
+    and one with no exchange for ``idle_s`` is closed by :meth:`sweep`."""
+
+    def __init__(self, limit: int = MAX_SESSIONS, idle_s: float = SESSION_IDLE_S):
+        if limit < 1 or idle_s <= 0:
+            raise ValueError("a relay needs max_sessions >= 1 and session_idle_s > 0")
+        self.limit = limit
+        self.idle_s = idle_s
+        self._open: dict[str, _LocalSession] = {}
+        self._opening: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._open) + len(self._opening)
+
+    def reserve(self, session_id: str) -> None:
+        if session_id in self._open or session_id in self._opening:
+            raise _Refused("a session needs a new id")
+        if len(self) >= self.limit:
+            raise _Refused(f"this relay holds {self.limit} env sessions already")
+        self._opening.add(session_id)
+
+    def settle(self, session_id: str, session: _LocalSession | None) -> None:
+        """The end of ``session_id``'s reservation: ``session`` opened, or None (the slot is free again)."""
+        self._opening.discard(session_id)
+        if session is not None:
+            self._open[session_id] = session
+
+    def get(self, session_id: str) -> _LocalSession | None:
+        return self._open.get(session_id)
+
+    def pop(self, session_id: str) -> _LocalSession | None:
+        return self._open.pop(session_id, None)
+
+    async def close_idle(self) -> int:
+        """Close the sessions idle for longer than ``idle_s``; how many."""
+        now = asyncio.get_running_loop().time()
+        idle = [session_id for session_id, session in self._open.items() if session.idle_for(now) > self.idle_s]
+        await _close_all([self._open.pop(session_id) for session_id in idle])
+        return len(idle)
+
+    async def sweep(self, job_id: str) -> None:
+        """:meth:`close_idle` every ``min(30, idle_s / 4)`` seconds (until cancelled)."""
+        while True:
+            await asyncio.sleep(min(30.0, self.idle_s / 4))
+            closed = await self.close_idle()
+            if closed:
+                log.info("job %s: closed %d env session(s) idle for over %gs", job_id, closed, self.idle_s)
+
+    async def close(self) -> None:
+        sessions = list(self._open.values())
+        self._open.clear()
+        await _close_all(sessions)
+
+
+# ---------------------------------------------------------------------- the relay
+
+
 class EnvRelay:
     """Carries the env calls of job ``job_id`` to the endpoints of ``specs`` (their relayed
-    ones), until :meth:`stop` or the server ends it for good (see the module docstring)."""
+    ones), until :meth:`stop` or the relay ends for good (see the module docstring)."""
 
     def __init__(self, client: OpenTinkerClient, job_id: str, specs: Sequence[InteractionSpec], *,
-                 max_concurrent: int = 64):
+                 max_concurrent: int = 64, max_sessions: int = MAX_SESSIONS, session_idle_s: float = SESSION_IDLE_S):
         self.client = client
         self.job_id = job_id
         self.routes = _routes(specs)
         if not self.routes:
             raise ValueError("no interaction of these specs has relay: client")
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
         self.max_concurrent = max_concurrent
-        self.error: str | None = None  # why the server ended the relay for good
+        #: Why the relay ended for good (the server's refusal, a bad URL, a crash); None while it runs or reconnects.
+        self.error: str | None = None
         self.calls = 0  # calls answered
-        self.refused = 0  # calls refused (outside what the specs allow)
+        self.refused = 0  # calls refused (outside what the specs allow, or malformed)
         self.connections = 0  # times connected
         self._connected = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
-        self._sessions: dict[str, Any] = {}
+        self._sessions = _SessionTable(max_sessions, session_idle_s)
         self._http: LocalHTTP | None = None
+        self._skipped = _Throttled("skipped {count} frame(s) from the server that it cannot use")
+        self._refusals = _Throttled("refused {count} call(s) outside what its specs allow")
 
     def __repr__(self) -> str:
         return f"EnvRelay(job={self.job_id!r}, interactions={sorted(self.routes)}, connected={self.connected})"
@@ -241,6 +497,11 @@ class EnvRelay:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def skipped(self) -> int:
+        """Frames from the server that could not be used (not JSON, too deep, malformed)."""
+        return self._skipped.count
 
     def start(self) -> EnvRelay:
         if self.running:
@@ -279,44 +540,49 @@ class EnvRelay:
             self._main = loop.create_task(self._run())
             with contextlib.suppress(asyncio.CancelledError):
                 loop.run_until_complete(self._main)
+        except Exception as exc:  # a bug past _run's own guards: the relay ends, and says why
+            log.exception("job %s: the client relay crashed", self.job_id)
+            self.error = f"the client relay crashed ({type(exc).__name__}: {str(exc)[:200]})"
         finally:
             self._connected.clear()
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
+    def _end(self, reason: str, quietly: bool = False) -> None:
+        """The relay ends for good, for ``reason`` (kept in :attr:`error`)."""
+        self.error = reason
+        log.log(logging.INFO if quietly else logging.WARNING, "job %s: the client relay ended: %s",
+                self.job_id, reason)
+
     async def _run(self) -> None:
-        from websockets.asyncio.client import connect
         from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+        from websockets.uri import parse_uri
 
         url = _ws_url(self.client.url(f"/jobs/{self.job_id}/relay"))
-        headers = {"Authorization": f"Bearer {self.client.api_key}"}
-        loopback = httpx.URL(self.client.base_url).host in ("127.0.0.1", "localhost", "::1")
+        try:
+            parse_uri(url)
+        except (InvalidURI, ValueError) as exc:  # e.g. a port out of range
+            self._end(f"bad server URL: {exc}")
+            return
+        self._http = LocalHTTP(max_connections=self.max_concurrent, max_body_bytes=MAX_ANSWER_BYTES)
         failures = 0
-        self._http = LocalHTTP(max_body_bytes=MAX_ANSWER_BYTES)
         try:
             while not self._stopping.is_set():
+                connections = self.connections
                 try:
-                    async with connect(url, additional_headers=headers, max_size=MAX_CALL_BYTES, compression=None,
-                                       open_timeout=self.client.timeout, proxy=None if loopback else True) as socket:
-                        await self._serve(socket)
-                        failures = 0
+                    await self._connection(url)
                 except _Final as final:
-                    self.error = str(final)
-                    finished = str(final).startswith(_FINAL_CLOSE_CODES[4409])
-                    log.log(logging.INFO if finished else logging.WARNING, "job %s: the client relay ended: %s",
-                            self.job_id, final)
+                    self._end(str(final), quietly=str(final).startswith(_FINAL_CLOSE_CODES[4409]))
                     return
-                except (OSError, asyncio.TimeoutError, TimeoutError, ConnectionClosed, InvalidHandshake) as exc:
+                except (OSError, asyncio.TimeoutError, TimeoutError, ConnectionClosed, InvalidHandshake,
+                        InvalidURI) as exc:
                     log.info("job %s: client relay connection lost (%s); reconnecting", self.job_id, exc)
-                except InvalidURI as exc:
-                    self.error = f"bad server URL: {exc}"
-                    return
+                except Exception:  # a bug, or what no one foresaw: the relay reconnects, never dies of it
+                    log.exception("job %s: the client relay failed unexpectedly; reconnecting", self.job_id)
                 finally:
                     self._connected.clear()
-                    await self._close_sessions()
-                failures += 1
-                delay = min(10.0, 0.25 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
-                await self._pause(delay)
+                failures = 1 if self.connections > connections else failures + 1
+                await self._pause(_backoff(failures))
         finally:
             await self._http.aclose()
 
@@ -326,42 +592,83 @@ class EnvRelay:
         while not self._stopping.is_set() and asyncio.get_running_loop().time() < end:
             await asyncio.sleep(0.1)
 
+    async def _connection(self, url: str) -> None:
+        """One connection to the server, served until it closes."""
+        from websockets.asyncio.client import connect
+
+        headers = {"Authorization": f"Bearer {self.client.api_key}"}
+        loopback = httpx.URL(self.client.base_url).host in ("127.0.0.1", "localhost", "::1")
+        async with connect(url, additional_headers=headers, max_size=MAX_CALL_BYTES, compression=None,
+                           open_timeout=self.client.timeout, proxy=None if loopback else True) as socket:
+            await self._serve(socket)
+
     async def _serve(self, socket: Any) -> None:
-        """Answer the calls of one connection until it closes."""
+        """Answer the calls of one connection until it closes. Frames are read as they come,
+        however busy the env is (so the server's keepalive pings are answered); calls wait in a
+        bounded :class:`_CallQueue` for one of ``max_concurrent`` workers."""
         from websockets.exceptions import ConnectionClosed
 
-        slots = asyncio.Semaphore(self.max_concurrent)
-        running: set[asyncio.Task] = set()
+        queue = _CallQueue()
+        answer = functools.partial(self._answer, socket)
+        tasks = [asyncio.create_task(queue.serve(answer)) for _ in range(self.max_concurrent)]
+        tasks.append(asyncio.create_task(self._sessions.sweep(self.job_id)))
         try:
-            async for text in socket:
-                message = json.loads(text) if isinstance(text, str) else None
-                kind = message.get("type") if isinstance(message, dict) else None
-                if kind == "hello":
-                    self.connections += 1
-                    self._connected.set()
-                    unknown = sorted(set(message.get("interactions") or ()) - set(self.routes))
-                    if unknown:
-                        log.warning("job %s: the server relays interactions this client does not carry: %s "
-                                    "(their calls will be refused)", self.job_id, ", ".join(map(str, unknown)))
-                elif kind == "error":  # the close that follows says whether it is for good
-                    log.debug("job %s: the server ends the relay: %s", self.job_id, message.get("message"))
-                elif kind == "call":
-                    await slots.acquire()  # past max_concurrent: stop reading until one is done
-                    task = asyncio.ensure_future(self._answer(socket, message))
-                    running.add(task)
-                    task.add_done_callback(lambda done: (running.discard(done), slots.release()))
+            async for data in socket:
+                await self._take(socket, data, queue)
         except ConnectionClosed as closed:
             final = _FINAL_CLOSE_CODES.get(closed.rcvd.code if closed.rcvd else 0)
             if final is not None:
                 raise _Final(f"{final}: {closed.rcvd.reason}") from None
             raise
         finally:
-            for task in running:
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._sessions.close()  # the server's sessions end with its connection
         code = socket.close_code
         if code in _FINAL_CLOSE_CODES:
             raise _Final(f"{_FINAL_CLOSE_CODES[code]}: {socket.close_reason}")
+
+    async def _take(self, socket: Any, data: str | bytes, queue: _CallQueue) -> None:
+        """One frame from the server: a call is queued (or, past the queue's bounds, answered
+        ``no_answer`` at once), a hello noted; a frame that cannot be used is logged and skipped."""
+        try:
+            message = _frame(data)
+        except ValueError as exc:
+            self._skipped.warn(self.job_id, str(exc))
+            return
+        kind = message.get("type")
+        if kind == "call":
+            call_id = message.get("id")
+            if isinstance(call_id, bool) or not isinstance(call_id, int):
+                self._skipped.warn(self.job_id, "a call without an integer id")
+            elif not queue.offer(message, _frame_bytes(data)):  # type: ignore[arg-type]  # _frame took text only
+                await self._send(socket, call_id, {
+                    "error": "no_answer", "detail": f"the client relay is busy ({queue.calls} calls waiting or "
+                    f"running, at most {queue.max_calls} and {queue.max_bytes >> 20} MiB); the call was not made"})
+        elif kind == "hello":
+            self._hello(message)
+        elif kind == "error":  # the close that follows says whether it is for good
+            log.debug("job %s: the server ends the relay: %s", self.job_id, str(message.get("message"))[:500])
+        else:
+            self._skipped.warn(self.job_id, f"a frame of unknown type {str(kind)[:40]!r}")
+
+    def _hello(self, message: dict[str, Any]) -> None:
+        if not self._connected.is_set():  # the first hello of this connection (cleared when it ends)
+            self.connections += 1
+            self._connected.set()
+        names = message.get("interactions") or []
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            self._skipped.warn(self.job_id, "a hello whose interactions are not a list of names")
+            return
+        unknown = sorted(set(names) - set(self.routes))
+        if unknown:
+            log.warning("job %s: the server relays interactions this client does not carry: %s "
+                        "(their calls will be refused)", self.job_id, ", ".join(unknown[:20])[:1000])
+
+    async def _send(self, socket: Any, call_id: int, answer: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):  # the connection may be gone: the server fails the call itself
+            await socket.send(_answer_frame(call_id, answer))
 
     async def _answer(self, socket: Any, call: dict[str, Any]) -> None:
         try:
@@ -369,16 +676,13 @@ class EnvRelay:
             self.calls += 1
         except _Refused as refused:
             self.refused += 1
-            log.warning("job %s: refused a relayed call (%s): %s", self.job_id, refused,
-                        json.dumps({k: call.get(k) for k in ("op", "interaction", "shard", "method", "path")})[:300])
+            fields = {key: str(call.get(key))[:80] for key in ("op", "interaction", "shard", "method", "path")}
+            self._refusals.warn(self.job_id, f"{refused}: {json.dumps(fields)}")
             answer = {"error": "refused", "detail": f"the client relay refused the call: {refused}"}
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # a bug here must not end the relay
             log.exception("job %s: a relayed call failed", self.job_id)
             answer = {"error": "bad_answer", "detail": f"the client relay failed: {type(exc).__name__}"}
-        with contextlib.suppress(Exception):  # the connection may be gone: the server fails the call itself
-            await socket.send(json.dumps({"type": "answer", "id": call.get("id"), **answer}, ensure_ascii=False))
+        await self._send(socket, call["id"], answer)
 
     def _base(self, call: dict[str, Any]) -> tuple[_Route, str]:
         route = self.routes.get(call.get("interaction"))  # type: ignore[arg-type]
@@ -390,6 +694,9 @@ class EnvRelay:
         return route, route.shards[shard]
 
     async def _handle(self, call: dict[str, Any]) -> dict[str, Any]:
+        problem = _shape_problem(call)
+        if problem is not None:
+            raise _Refused(f"a malformed call: {problem}")
         op = call.get("op")
         if op == "http":
             return await self._http_call(call)
@@ -398,7 +705,7 @@ class EnvRelay:
         if op == "ws_exchange":
             return await self._exchange(call)
         if op == "ws_close":
-            session = self._sessions.pop(str(call.get("session")), None)
+            session = self._sessions.pop(str(call.get("session")))
             if session is not None:
                 await session.close()
             return {"ok": True}
@@ -433,64 +740,32 @@ class EnvRelay:
         if path not in _SESSION_PATHS.get(route.protocol, ()):
             raise _Refused(f"a session on /{str(path)[:80]} is not part of the {route.protocol} protocol")
         session_id = call.get("session")
-        if not isinstance(session_id, str) or not 0 < len(session_id) <= 200 or session_id in self._sessions:
+        if not isinstance(session_id, str) or not 0 < len(session_id) <= 200:
             raise _Refused("a session needs a new id (a string of at most 200 characters)")
-        if len(self._sessions) >= MAX_SESSIONS:
-            raise _Refused(f"this relay holds {MAX_SESSIONS} env sessions already")
         timeout = _timeout(call)
+        self._sessions.reserve(session_id)  # before connecting: concurrent opens never pass the limit
+        session = None
         try:
-            session = await connect(f"{_ws_url(base)}/{path}", max_size=MAX_ANSWER_BYTES, compression=None,
-                                    open_timeout=timeout, proxy=None)
+            session = _LocalSession(await connect(f"{_ws_url(base)}/{path}", max_size=MAX_ANSWER_BYTES,
+                                                  compression=None, open_timeout=timeout, proxy=None))
         except InvalidStatus as exc:
             status = exc.response.status_code
             return {"error": "no_answer" if status in (502, 503, 504) else "bad_answer",
                     "detail": f"WebSocket handshake answered HTTP {status}"}
         except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException) as exc:
             return {"error": "no_answer", "detail": f"{type(exc).__name__}: {exc or 'connection failed'}"}
-        self._sessions[session_id] = _LocalSession(session)
+        finally:
+            self._sessions.settle(session_id, session)
         return {"ok": True}
 
     async def _exchange(self, call: dict[str, Any]) -> dict[str, Any]:
+        message = call.get("message")
+        kind = message.get("type") if isinstance(message, dict) else None
+        if not isinstance(kind, str) or kind not in _SESSION_MESSAGES:
+            raise _Refused(f"session messages are {', '.join(sorted(_SESSION_MESSAGES))}")
+        timeout = _timeout(call)
         session = self._sessions.get(str(call.get("session")))
         if session is None:
-            return {"error": "no_answer", "detail": "no such env session (it was closed, or the relay reconnected)"}
-        message = call.get("message")
-        if not isinstance(message, dict) or message.get("type") not in _SESSION_MESSAGES:
-            raise _Refused(f"session messages are {', '.join(sorted(_SESSION_MESSAGES))}")
-        return await session.exchange(message, _timeout(call))
-
-    async def _close_sessions(self) -> None:
-        sessions, self._sessions = self._sessions, {}
-        await asyncio.gather(*(s.close() for s in sessions.values()), return_exceptions=True)
-
-
-class _LocalSession:
-    """A WebSocket session with the local env; one exchange at a time."""
-
-    def __init__(self, socket: Any):
-        self.socket = socket
-        self.lock = asyncio.Lock()
-
-    async def exchange(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        from websockets.exceptions import ConnectionClosed, PayloadTooBig
-
-        async with self.lock:
-            try:
-                await self.socket.send(json.dumps(message))
-                reply = await asyncio.wait_for(self.socket.recv(), timeout_s)
-            except (asyncio.TimeoutError, TimeoutError):
-                return {"error": "no_answer", "detail": f"no message within {timeout_s:g}s"}
-            except PayloadTooBig:
-                return {"error": "bad_answer", "detail": f"a message larger than {MAX_ANSWER_BYTES} bytes"}
-            except ConnectionClosed as closed:
-                return {"error": "no_answer", "detail": f"the env closed the session ({closed})"}
-        if not isinstance(reply, str):
-            return {"error": "bad_answer", "detail": "a binary message where JSON text was due"}
-        try:
-            return {"message": json.loads(reply)}
-        except ValueError:
-            return {"error": "bad_answer", "detail": "a message that is not JSON"}
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.socket.close()
+            return {"error": "no_answer", "detail": "no such env session (it was closed, idle for over "
+                    f"{self._sessions.idle_s:g}s, or the relay reconnected)"}
+        return await session.exchange(message, timeout)  # type: ignore[arg-type]
