@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -579,22 +579,57 @@ def check_limits(limits: Mapping[str, float]) -> dict[str, float]:
     return checked
 
 
-def expand_dotted(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"a.b": 1, "c": {"d": 2}}`` -> ``{"a": {"b": 1}, "c": {"d": 2}}`` (both forms may mix)."""
-    tree: dict[str, Any] = {}
+def _leaves(mapping: Mapping[str, Any], path: tuple[str, ...] = (), keys: tuple[str, ...] = ()
+            ) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], Any]]:
+    """``(dotted path, keys as written from the top, value)`` of each value under ``mapping``
+    (an empty mapping is one: an empty section)."""
     for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            value = expand_dotted(value)
-        node = tree
-        *sections, leaf = str(key).split(".")
-        for section in sections:
-            node = node.setdefault(section, {})
-            if not isinstance(node, dict):  # {"a": 1, "a.b": 2}: a value where a section is
-                raise ConfigError(f"config key '{key}': '{section}' is given both as a value and as a section")
-        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-            node[leaf].update(value)
+        here, written = (*path, *str(key).split(".")), (*keys, str(key))
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, here, written)
         else:
-            node[leaf] = value
+            yield here, written, value
+
+
+def _given_twice(path: tuple[str, ...], first: tuple[bool, tuple[str, ...]], then: tuple[bool, tuple[str, ...]]
+                 ) -> ConfigError:
+    """The error for a key placed twice; ``first``/``then``: (as a section, the keys written)."""
+    key = ".".join(path)
+
+    def spelled(keys: tuple[str, ...]) -> str:
+        return "".join(f"[{k!r}]" for k in keys)
+
+    if first[0] == then[0]:  # two values (two sections merge)
+        return ConfigError(f"config key '{key}' is given twice, as {spelled(first[1])} and as {spelled(then[1])}; "
+                           "give it once", key=key)
+    as_value, as_section = (first, then) if then[0] else (then, first)
+    return ConfigError(f"config key '{key}' is given both as a value ({spelled(as_value[1])}) and as a section "
+                       f"({spelled(as_section[1])}); give it one way", key=key)
+
+
+def expand_dotted(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1, "c": {"d": 2}}`` -> ``{"a": {"b": 1}, "c": {"d": 2}}`` (both forms may mix).
+
+    Each key is given once: the same key spelled twice in ``mapping`` (dotted and nested, two
+    dotted spellings, a value where a section is) is a ConfigError naming the key and both
+    spellings, never a silent pick of one. Different keys of a section may be given either
+    way (``{"a": {"b": 1}, "a.c": 2}``); separate overrides (``make_config``'s) still stack."""
+    placed: dict[tuple[str, ...], tuple[bool, tuple[str, ...]]] = {}  # path -> (a section?, keys first written)
+    tree: dict[str, Any] = {}
+    for path, keys, value in _leaves(mapping):
+        section = isinstance(value, Mapping)  # an empty one
+        for depth in range(1, len(path) + 1):
+            here, now = path[:depth], (section or depth < len(path), keys)
+            before = placed.setdefault(here, now)
+            if before is not now and not (before[0] and now[0]):  # only sections may meet
+                raise _given_twice(here, before, now)
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        if section:
+            node.setdefault(path[-1], {})
+        else:
+            node[path[-1]] = value
     return tree
 
 

@@ -58,13 +58,16 @@ def relay_mode(value: Any) -> bool:
 
 class RelayHub:
     """Env calls of one job, waiting for (or carried by) its client relay. Thread-safe: the agent
-    loops call :meth:`call` from their event loop, the runner's Ray methods the rest."""
+    loops call :meth:`call` from their event loop, the runner's Ray methods the rest, and the
+    trainer :meth:`wait_attached` (to redo a step as soon as a client is back after an outage,
+    instead of at its next ``/health`` probe)."""
 
     def __init__(self, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, clock=time.time):
         self.max_in_flight = max_in_flight
         self._clock = clock
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
+        self._ready = threading.Condition(self._lock)  # calls queued, or the connection changed (take)
+        self._attached = threading.Condition(self._lock)  # a client attached (wait_attached)
         self._pending: deque[dict[str, Any]] = deque()  # calls not yet taken by the control plane
         self._waiting: dict[int, concurrent.futures.Future] = {}  # call id -> its answer (pending or taken)
         self._ids = itertools.count(1)
@@ -84,6 +87,7 @@ class RelayHub:
             self._connection = next(self._connections)
             self._connected_since = self._clock()
             self._ready.notify_all()
+            self._attached.notify_all()
             return self._connection
 
     def detach(self, connection: int) -> None:
@@ -123,6 +127,12 @@ class RelayHub:
                 if future is not None and not future.done():
                     future.set_result(answer)
                     self._carried += 1
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        """True as soon as a client relay is attached (at once if one is now), False once
+        ``timeout_s`` passes without one. Blocks the calling thread."""
+        with self._lock:
+            return self._attached.wait_for(lambda: self._connection is not None, max(0.0, timeout_s))
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="client relays one user may hold connected at once (one per job)")
     operator.add_argument("--env-relay-in-flight", type=int, default=256, metavar="N",
                           help="env calls one relay carries at once; more wait (backpressure)")
+    operator.add_argument("--env-relay-buffer-mb", type=int, default=64, metavar="MB",
+                          help="a relay's answers read and not yet handed to its job, in MB; past it the "
+                          "relay stops reading (backpressure); answers to no call are dropped unread")
     operator.add_argument("--allow-interaction", action="append", default=[], metavar="module.Class",
                           help="also allow this Interaction class path in jobs (repeatable)")
     operator.add_argument("--judge-model", action="append", default=[], metavar="MODEL",
@@ -84,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     quotas = serve.add_argument_group("quotas")
     quotas.add_argument("--max-running-jobs", type=int, default=2, help="jobs per user running at once")
     quotas.add_argument("--max-queued-jobs", type=int, default=8, help="jobs per user waiting for a slot")
+    quotas.add_argument("--max-checkpoint-gb", type=float, default=200.0, metavar="GB",
+                        help="all users' checkpoints on disk (RL jobs' and the Tinker API's); past it a job's "
+                             "checkpoint is not kept (a warning event; the job goes on) and a Tinker save answers "
+                             "429 (default: %(default)s)")
+    quotas.add_argument("--max-job-checkpoint-gb", type=float, default=50.0, metavar="GB",
+                        help="per user: their RL jobs' checkpoints on disk; past it a job's checkpoint is not kept "
+                             "(a warning event; the job goes on) (default: %(default)s)")
     quotas.add_argument("--client-idle-timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop a client-mode job that has had no step to train this long")
     quotas.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
@@ -320,6 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
             env_relays=args.env_relays,
             max_env_relays_per_user=args.max_env_relays_per_user,
             env_relay_in_flight=args.env_relay_in_flight,
+            env_relay_buffer_mb=args.env_relay_buffer_mb,
             allowed_interactions=args.allow_interaction,
             judge_models=args.judge_model,
             judge_base_url=args.judge_base_url,
@@ -327,6 +338,8 @@ def _serve(args: argparse.Namespace) -> int:
             config_limits=_parse_limits(args.limit),
             max_running_jobs_per_user=args.max_running_jobs,
             max_queued_jobs_per_user=args.max_queued_jobs,
+            max_checkpoint_gb=args.max_checkpoint_gb,
+            max_job_checkpoint_gb=args.max_job_checkpoint_gb,
             client_idle_timeout_s=args.client_idle_timeout,
             max_body_bytes=int(args.max_body_mb * 2**20),
             max_rows_per_step=args.max_rows_per_step,

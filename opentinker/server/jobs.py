@@ -17,6 +17,12 @@ other methods from the event loop. The contract, all methods called through Ray:
   ``queued() -> int``, ``cancel()``, ``request_checkpoint()``.
 - Optional: a static ``ray_actor_options(spec) -> dict`` merged into the actor's
   ``.options()`` (e.g. ``{"num_gpus": 1}``: Ray hides GPUs from actors that ask for none).
+- Optional: ``refuse_checkpoints(reason: str | None)``: while ``reason`` is set, a checkpoint
+  would not be kept (the server's checkpoint bounds, :mod:`opentinker.server.checkpoint_caps`;
+  the reason names the operator's flag): the runner writes none and emits a warning ``log``
+  event with the reason instead, and goes on training. Told before ``run`` when the job starts
+  refused, then whenever the answer changes. Without it, the checkpoints a runner writes are
+  still measured and those past a bound deleted (a warning event says so).
 
 No call to a runner blocks the event loop: ObjectRefs are awaited (ray.init runs once, at
 startup, before anything is served).
@@ -25,6 +31,8 @@ Scheduling: a user has at most ``max_running_jobs_per_user`` jobs in Ray at once
 stay ``queued`` in the store and start, oldest first, as slots free up (also after a
 restart). A client-mode job with nothing to train for ``client_idle_timeout_s`` is stopped.
 A cancelled job's final status event is published only after its runner's last events.
+Each checkpoint a runner reports is measured on disk and kept only within the server's
+checkpoint bounds (:class:`~opentinker.server.checkpoint_caps.JobCheckpointCaps`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from opentinker.protocol import JobStatus
+from opentinker.server.checkpoint_caps import JobCheckpointCaps
 from opentinker.server.ray_cluster import RayCluster
 from opentinker.server.redaction import Redaction
 from opentinker.server.settings import ServerSettings
@@ -157,6 +166,10 @@ class _ActiveJob:
     pushed_step: int = 0
     trained_step: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+    # Checkpoints: why the runner was last told its next one would not be kept (None: it would),
+    # and the size of the newest it wrote (the estimate of the next; None: none measured yet).
+    checkpoint_refusal: str | None = None
+    checkpoint_bytes: int | None = None
 
 
 class JobManager:
@@ -180,11 +193,13 @@ class JobManager:
         self.namespace = f"{RAY_NAMESPACE}-{store.server_id()[:12]}"
         self.cluster = RayCluster(settings, self.namespace, leftover_prefix=actor_name(""))
         self.redaction = Redaction(settings)  # server folders out of what users read
+        self.checkpoints = JobCheckpointCaps(store, settings)
 
     # lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Connect to Ray (:meth:`RayCluster.connect`); jobs may start from then on."""
+        self.checkpoints.measure_on_disk()
         self.cluster.connect()
         self._started = True
 
@@ -368,15 +383,43 @@ class JobManager:
         events = normalize_events(raw)
         if not events:
             return
-        for event in events:
+        kept = 0  # bytes of this drain's checkpoints kept, not yet indexed
+        for i, event in enumerate(events):
             if event["type"] == "error":
                 event["data"] = self.redaction.published_error(active.job_id, event["data"])
+            elif event["type"] == "checkpoint":
+                events[i] = self._checkpoint_event(active, event, kept)
+                kept += events[i]["data"].get("size_bytes") or 0
         self.store.append_runner_events(active.job_id, events)
         for event in events:
             step = event["data"].get("step")
             if event["type"] == "progress" and isinstance(step, int):
                 active.trained_step = max(active.trained_step, step)
                 active.last_activity = time.monotonic()
+
+    def _checkpoint_event(self, active: _ActiveJob, event: dict[str, Any], pending: int) -> dict[str, Any]:
+        """A checkpoint the runner wrote, measured: with its size (to be indexed) when it fits
+        the server's checkpoint bounds, else (its folder deleted) a warning saying why."""
+        data = event["data"]
+        name, step = data.get("name"), data.get("step")
+        if not isinstance(name, str) or not data.get("path"):
+            return event  # not indexed (the store's rule): nothing on disk to count
+        size, refusal = self.checkpoints.land(active.user_id, active.job_id, name, pending)
+        active.checkpoint_bytes = size or active.checkpoint_bytes
+        if refusal is None:
+            return {**event, "data": {**data, "size_bytes": size}}
+        return {"type": "log", "data": {"level": "warning", "step": step,
+                                        "message": f"checkpoint {name} (step {step}) was not kept: {refusal}"}}
+
+    async def _tell_checkpoint_room(self, active: _ActiveJob) -> None:
+        """Tell a runner with ``refuse_checkpoints`` whether its next checkpoint would be kept,
+        when that changes. Awaited, so the runner hears the answers in order."""
+        if not hasattr(self.runner_class(), "refuse_checkpoints"):
+            return
+        refusal = self.checkpoints.refusal(active.user_id, active.job_id, active.checkpoint_bytes)
+        if refusal != active.checkpoint_refusal:
+            await _ref_future(active.actor.refuse_checkpoints.remote(refusal))
+            active.checkpoint_refusal = refusal
 
     async def _drain(self, active: _ActiveJob) -> None:
         self._store_events(active, await _ref_future(active.actor.drain_events.remote()))
@@ -391,6 +434,7 @@ class JobManager:
         job_id, poll = active.job_id, self.settings.event_poll_s
         run: asyncio.Future | None = None
         try:
+            await self._tell_checkpoint_room(active)  # a job that starts refused writes no checkpoint
             run = _ref_future(active.actor.run.remote())
             # The first drain is answered once the runner's constructor has returned: from
             # then on the job is running (before, Ray may still be placing the actor).
@@ -402,6 +446,7 @@ class JobManager:
             while not run.done():
                 await asyncio.wait({run}, timeout=poll)
                 await self._drain(active)
+                await self._tell_checkpoint_room(active)
                 idle = self._idle_for(active)
                 if idle is not None and idle > idle_limit:
                     await self.cancel(

@@ -34,6 +34,7 @@ TINY_MODEL_NAME = "opentinker-tiny-arith"  # engine.tiny.TINY_MODEL_NAME (not im
 
 _MODEL_KEY = "actor_rollout_ref.model.path"
 _JUDGE = "algorithm.judge"
+JOB_CHECKPOINTS = "checkpoints"  # a job's checkpoints: <job dir>/checkpoints/<name> (trainer.default_local_dir)
 
 
 class PolicyError(ValueError):
@@ -185,7 +186,7 @@ class JobPolicy:
         overrides: dict[str, Any] = {
             _MODEL_KEY: model.path,
             "actor_rollout_ref.model.trust_remote_code": model.trust_remote_code,
-            "trainer.default_local_dir": f"{job_dir}/checkpoints",
+            "trainer.default_local_dir": f"{job_dir}/{JOB_CHECKPOINTS}",
             "trainer.progress_bar": False,
         }
         if cfg.critic.model.path is not None:

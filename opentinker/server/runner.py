@@ -1,9 +1,9 @@
 """One training job, run inside a Ray actor (the server wraps this plain class).
 
 The actor is threaded (``max_concurrency > 1``): ``run`` blocks in one thread while the
-server calls ``drain_events``, ``push_batch``, ``cancel``, ``request_checkpoint`` and ``serve``
-from others. ``serve`` answers a chat or text request with the job's rollout engine between
-training steps, so it always sees the weights of the last finished step. Events are buffered here and pulled by the server (which makes them JSON-safe), so the actor may live on any
+server calls ``drain_events``, ``push_batch``, ``cancel``, ``request_checkpoint``,
+``refuse_checkpoints`` and ``serve`` from others. ``serve`` answers a chat or text request
+with the job's rollout engine between training steps, so it always sees the weights of the last finished step. Events are buffered here and pulled by the server (which makes them JSON-safe), so the actor may live on any
 node of a Ray cluster; nothing in this module touches the server's database.
 """
 
@@ -51,6 +51,7 @@ class JobRunner(RelayDoor):
         self._batch_ready = threading.Condition()
         self._cancel = threading.Event()
         self._checkpoint = threading.Event()
+        self._checkpoint_refusal: str | None = None  # the server's: why a checkpoint would not be kept now
         self.step = 0
         self._trainer = None  # set once built: what serve() generates with
         self._stopped = False
@@ -89,6 +90,12 @@ class JobRunner(RelayDoor):
     def request_checkpoint(self) -> None:
         self._checkpoint.set()
 
+    def refuse_checkpoints(self, reason: str | None) -> None:
+        """The server's checkpoint bounds: while ``reason`` is set (it names the operator's
+        flag), a checkpoint due (requested, ``trainer.save_freq``, the last step) is not written
+        and a warning says so; None: they are written again."""
+        self._checkpoint_refusal = reason
+
     def serve(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Completion events (``opentinker.engine.serving.stream_completions``) from the job's
         current weights; called as a Ray streaming generator. Waits for a running step to end."""
@@ -117,6 +124,7 @@ class JobRunner(RelayDoor):
             # A step waiting out an env outage says so as it waits, and stops for a cancel.
             trainer.on_warning = lambda message: self._emit("log", {"level": "warning", "message": message})
             trainer.check_cancelled = self._raise_if_cancelled
+            trainer.save_checkpoint = self._within_bounds(trainer)
             total = trainer.cfg.trainer.total_training_steps
             self._emit("log", {"message": f"model {self._served_name()} loaded; training {total} steps"})
             with self._between_steps:
@@ -176,6 +184,21 @@ class JobRunner(RelayDoor):
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id, self.relay))
         return RLTrainer(spec, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
                          interactions=interactions or None)
+
+    def _within_bounds(self, trainer: Any):
+        """The trainer's ``save_checkpoint``, skipped with a warning while the server refuses
+        checkpoints (the step is trained and reported all the same)."""
+        save = trainer.save_checkpoint
+
+        def save_checkpoint() -> Path | None:
+            reason = self._checkpoint_refusal
+            if reason is None:
+                return save()
+            self._emit("log", {"level": "warning", "step": trainer.global_step,
+                               "message": f"checkpoint global_step_{trainer.global_step} was not saved: {reason}"})
+            return None
+
+        return save_checkpoint
 
     def _raise_if_cancelled(self) -> None:
         if self._cancel.is_set():

@@ -10,7 +10,7 @@ from typing import Any
 
 from opentinker.config import check_limits
 from opentinker.environments.endpoints import EndpointPolicy
-from opentinker.server.policy import JobPolicy, parse_served_models
+from opentinker.server.policy import JOB_CHECKPOINTS, JobPolicy, parse_served_models
 
 
 DATA_DIR_ENV = "OPENTINKER_DATA_DIR"
@@ -63,10 +63,20 @@ class ServerSettings:
     env_relays: bool = True  # interactions with relay: client (the job's client carries the env calls)
     max_env_relays_per_user: int = 4  # client relays one user holds connected at once
     env_relay_in_flight: int = 256  # env calls one relay carries at once (more wait)
+    # MB of a relay's answers read from its client and not yet handed to the job's runner; past
+    # it the relay stops reading until they are (backpressure). Frames that answer no call sent
+    # on that connection are dropped unread and never count.
+    env_relay_buffer_mb: int = 64
     config_limits: dict[str, float] = field(default_factory=dict)  # upper bounds replacing config.RANGES'
     # Quotas per user: jobs running at once, and jobs waiting for a slot behind them.
     max_running_jobs_per_user: int = 2
     max_queued_jobs_per_user: int = 8
+    # Checkpoints' bytes on disk: every checkpoint on the server, all users' (RL jobs' and the
+    # Tinker API's), and each user's RL jobs' checkpoints (the Tinker API's per user:
+    # tinker_max_checkpoint_gb). Past either a job's checkpoint is not kept (a warning event; the
+    # job goes on) and a Tinker save is refused (429; 400 for one larger than the whole cap).
+    max_checkpoint_gb: float = 200.0
+    max_job_checkpoint_gb: float = 50.0
     client_idle_timeout_s: float = 900.0  # a client-mode job with no step to train this long is stopped
     max_body_bytes: int = 64 * 2**20  # request bodies past this are answered 413
     max_rows_per_step: int = 4096  # client mode: rows in one pushed batch
@@ -150,7 +160,7 @@ class ServerSettings:
                      "tinker_cycle_tokens", "tinker_max_idle_models_per_user"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_env_relays_per_user", "env_relay_in_flight"):
+        for name in ("max_env_relays_per_user", "env_relay_in_flight", "env_relay_buffer_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
@@ -164,8 +174,9 @@ class ServerSettings:
         if self.tinker_max_resident_adapters is not None and self.tinker_max_resident_adapters < 1:
             raise ValueError(f"tinker_max_resident_adapters must be >= 1 (or None: no limit), got "
                              f"{self.tinker_max_resident_adapters}")
-        if not self.tinker_max_checkpoint_gb > 0:
-            raise ValueError(f"tinker_max_checkpoint_gb must be > 0, got {self.tinker_max_checkpoint_gb}")
+        for name in ("tinker_max_checkpoint_gb", "max_checkpoint_gb", "max_job_checkpoint_gb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.tinker_memory_gb is not None and not self.tinker_memory_gb > 0:
             raise ValueError(f"tinker_memory_gb must be > 0, got {self.tinker_memory_gb}")
         if not 0 < self.tinker_long_poll_s < 45:
@@ -197,10 +208,15 @@ class ServerSettings:
         """``uvicorn.run``/``Config`` keywords. Proxies: X-Forwarded-For and X-Forwarded-Proto
         are read only from ``trusted_proxies``, and not at all without one (so neither uvicorn's
         default nor ``$FORWARDED_ALLOW_IPS`` applies). WebSocket messages: up to what a client
-        relay's answer may be (an env's 16 MiB answer, JSON-escaped)."""
+        relay's answer may be (an env's 16 MiB answer, JSON-escaped), and at most one received
+        and not yet read per connection (``ws_max_queue``; uvicorn's default 32 would let a
+        relay's client park ~1 GiB in uvicorn's ``websockets`` implementation, which reads ahead
+        of the app; its sans-I/O one, what ``ws="auto"`` picks in recent uvicorn, pauses reading
+        after each message whatever the setting). The relay route is the app's only WebSocket and
+        reads one message at a time, so a queue of one costs it nothing."""
         from opentinker.server.routers.relay import MAX_MESSAGE_BYTES
 
-        sizes = {"ws_max_size": MAX_MESSAGE_BYTES}
+        sizes = {"ws_max_size": MAX_MESSAGE_BYTES, "ws_max_queue": 1}
         if not self.trusted_proxies:
             return {"proxy_headers": False, **sizes}
         return {"proxy_headers": True, "forwarded_allow_ips": list(self.trusted_proxies), **sizes}
@@ -211,3 +227,8 @@ class ServerSettings:
 
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
+
+    def job_checkpoint_dir(self, job_id: str, name: str) -> Path:
+        """The folder of the job's checkpoint ``name`` (its runner's ``trainer.default_local_dir``
+        is the job's ``checkpoints`` folder)."""
+        return self.job_dir(job_id) / JOB_CHECKPOINTS / name

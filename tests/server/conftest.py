@@ -66,6 +66,7 @@ class StandInRunner(RelayDoor):
         self._batches: collections.deque = collections.deque()
         self._cancel = threading.Event()
         self._checkpoint_requested = threading.Event()
+        self._checkpoint_refusal: str | None = None  # the server's (refuse_checkpoints)
         self.relay = RelayHub()  # the client relay's door, as the real runner has it (no calls come)
 
     @staticmethod
@@ -79,6 +80,10 @@ class StandInRunner(RelayDoor):
 
     def _save(self, step: int) -> None:
         name = f"global_step_{step}"
+        if self._checkpoint_refusal is not None:  # as JobRunner: not written, a warning instead
+            self._emit("log", {"level": "warning", "message": f"checkpoint {name} was not saved: "
+                               f"{self._checkpoint_refusal}"})
+            return
         folder = self.job_dir / "checkpoints" / name
         (folder / "tokenizer").mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text('{"model_type": "stand-in", "step": %d}' % step)
@@ -138,6 +143,9 @@ class StandInRunner(RelayDoor):
 
     def request_checkpoint(self) -> None:
         self._checkpoint_requested.set()
+
+    def refuse_checkpoints(self, reason: str | None) -> None:
+        self._checkpoint_refusal = reason
 
 
 

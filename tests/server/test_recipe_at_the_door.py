@@ -35,7 +35,7 @@ INVALID = [  # (config, the job's mode, what the 400 must name)
     ({"actor_rollout_ref.actor.optim.learning_rate": 1e-5}, "server",
      "unknown config key 'actor_rollout_ref.actor.optim.learning_rate'"),
     ({"trainer.total_steps": 5}, "server", "unknown config key 'trainer.total_steps'"),
-    ({"data": 5}, "server", "config key 'data' is a section"),
+    ({"data": 5}, "server", "config key 'data' is given both as a value"),
     # choices
     ({"algorithm.adv_estimator": "ppo"}, "server", "'algorithm.adv_estimator': unknown value 'ppo'"),
     ({"actor_rollout_ref.rollout.name": "sglang"}, "server", "'actor_rollout_ref.rollout.name': unknown value 'sglang'"),

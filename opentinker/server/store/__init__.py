@@ -69,6 +69,8 @@ class Store(CredentialTables, JobTables, EventTables):
             self._conn.execute("CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs(status, created_at)")
             if "rows_json" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(steps)")}:
                 self._conn.execute("ALTER TABLE steps ADD COLUMN rows_json TEXT")
+            if "size_bytes" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(checkpoints)")}:
+                self._conn.execute("ALTER TABLE checkpoints ADD COLUMN size_bytes INTEGER")
             if "last_used_at" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(api_keys)")}:
                 self._conn.execute("ALTER TABLE api_keys ADD COLUMN last_used_at REAL")
             self._move_datasets_out_of_specs()

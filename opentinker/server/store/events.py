@@ -37,8 +37,8 @@ class EventTables:
     def append_runner_events(self, job_id: str, events: list[dict[str, Any]]) -> list[int]:
         """Store events drained from a runner, in one transaction, with their side effects:
         ``progress``/``metrics`` advance the job's step, ``checkpoint`` ({"step", "name",
-        "path"}) is indexed in ``checkpoints`` (the path stays server-side: the event keeps
-        only step and name)."""
+        "path", "size_bytes"}) is indexed in ``checkpoints`` (path and size stay server-side:
+        the event keeps only step and name)."""
         now = time.time()
         seqs: list[int] = []
         with self._transaction() as conn:
@@ -53,12 +53,12 @@ class EventTables:
                         "UPDATE jobs SET step = MAX(step, ?), updated_at = ? WHERE job_id = ?", (step, now, job_id)
                     )
                 if type_ == "checkpoint":
-                    path = data.pop("path", None)
+                    path, size = data.pop("path", None), data.pop("size_bytes", None)
                     if isinstance(data.get("name"), str) and path:
                         conn.execute(
-                            "INSERT OR REPLACE INTO checkpoints (job_id, name, step, path, created_at) "
-                            "VALUES (?, ?, ?, ?, ?)",
-                            (job_id, data["name"], int(data.get("step") or 0), str(path), now),
+                            "INSERT OR REPLACE INTO checkpoints (job_id, name, step, path, created_at, size_bytes) "
+                            "VALUES (?, ?, ?, ?, ?, ?)",
+                            (job_id, data["name"], int(data.get("step") or 0), str(path), now, size),
                         )
                 seqs.append(self._append_event(conn, job_id, type_, data, now))
         if seqs:
@@ -94,6 +94,41 @@ class EventTables:
     def get_checkpoint(self, job_id: str, name: str) -> CheckpointRecord | None:
         rows = self._query("SELECT * FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
         return CheckpointRecord(**dict(rows[0])) if rows else None
+
+    def checkpoint_bytes(self, user_id: int | None = None) -> int:
+        """Bytes on disk of the jobs' checkpoints kept: the user's jobs', or (None) every job's."""
+        sql = "SELECT COALESCE(SUM(c.size_bytes), 0) AS size FROM checkpoints c"
+        if user_id is None:
+            return int(self._query(sql)[0]["size"])
+        rows = self._query(sql + " JOIN jobs j ON j.job_id = c.job_id WHERE j.user_id = ?", (user_id,))
+        return int(rows[0]["size"])
+
+    def all_checkpoint_bytes(self) -> int:
+        """Bytes on disk of every checkpoint this server keeps, all users': the jobs' (this index)
+        and the Tinker API's (its table in this file, once the API has made it)."""
+        total = self.checkpoint_bytes()
+        if self._query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tinker_checkpoints'"):
+            total += int(self._query("SELECT COALESCE(SUM(size_bytes), 0) AS size FROM tinker_checkpoints")[0]["size"])
+        return total
+
+    def newest_checkpoint_bytes(self, job_id: str) -> int | None:
+        """The size of the job's newest checkpoint kept (None before its first)."""
+        rows = self._query("SELECT size_bytes FROM checkpoints WHERE job_id = ? AND size_bytes IS NOT NULL "
+                           "ORDER BY step DESC, created_at DESC LIMIT 1", (job_id,))
+        return int(rows[0]["size_bytes"]) if rows else None
+
+    def every_checkpoint(self) -> list[CheckpointRecord]:
+        """Every job's checkpoints (to measure them again)."""
+        return [CheckpointRecord(**dict(r)) for r in self._query("SELECT * FROM checkpoints")]
+
+    def set_checkpoint_size(self, job_id: str, name: str, size: int) -> None:
+        with self._transaction() as conn:
+            conn.execute("UPDATE checkpoints SET size_bytes = ? WHERE job_id = ? AND name = ?", (size, job_id, name))
+
+    def forget_checkpoint(self, job_id: str, name: str) -> None:
+        """Drops a checkpoint from the index (its files are gone)."""
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
 
     # client-mode steps ----------------------------------------------------------------
 

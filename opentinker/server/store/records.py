@@ -64,6 +64,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     step INTEGER NOT NULL,
     path TEXT NOT NULL,
     created_at REAL NOT NULL,
+    size_bytes INTEGER,  -- its folder's bytes on disk, measured when it was kept
     PRIMARY KEY (job_id, name)
 );
 CREATE TABLE IF NOT EXISTS steps (
@@ -166,6 +167,7 @@ class JobRecord:
             total_steps=self.total_steps,
             error=self.error,
             config=self.config,
+            final_event_id=self.final_event_seq,
         )
 
 
@@ -176,6 +178,7 @@ class CheckpointRecord:
     step: int
     path: str
     created_at: float
+    size_bytes: int | None = None  # on disk, measured when it was kept (None: kept before sizes were)
 
     def info(self) -> CheckpointInfo:
         return CheckpointInfo(name=self.name, step=self.step, created_at=self.created_at)

@@ -9,7 +9,8 @@ the sampler, which keeps loaded snapshots by folder, cannot serve the old weight
 Ephemeral sampler snapshots (what ``save_weights_and_get_sampling_client`` makes every RL step)
 are kept for a model's newest ``keep_ephemeral`` and for as long as its session lives; named
 checkpoints until deleted or past their ``ttl_seconds``. A user's checkpoints are bounded in
-count and bytes on disk (:mod:`.checkpoint_quota`).
+count and bytes on disk (:mod:`.checkpoint_quota`), and all users' (with the RL jobs') by the
+server's cap (:func:`opentinker.server.checkpoint_caps.server_cap`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.pass_plan import PassLimits
+from opentinker.server.checkpoint_caps import folder_bytes, server_cap
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
@@ -74,6 +76,7 @@ class TinkerSettings:
     max_checkpoints_per_user: int = 1000  # save_state checkpoints and sampler snapshots, ephemeral ones included
     max_checkpoint_bytes_per_user: int = 50 * 2**30  # ... their bytes on disk
     max_checkpoint_ttl_s: int = 10 * 365 * 86400  # the longest ttl_seconds a save may ask
+    max_server_checkpoint_bytes: int = 200 * 2**30  # every checkpoint on the server, all users' and RL jobs'
     housekeeping_s: float = 10.0
     host: HostSettings = None  # type: ignore[assignment]
 
@@ -114,6 +117,7 @@ class TinkerService:
         self.facts = ModelFactsCache()
         self.checkpoint_quota = CheckpointQuota(settings.max_checkpoints_per_user,
                                                 settings.max_checkpoint_bytes_per_user)
+        self.server_cap = server_cap(settings.max_server_checkpoint_bytes)
 
     async def start(self) -> None:
         lost = self.state.mark_models_lost("the server restarted; create the model again from a checkpoint "
@@ -266,22 +270,32 @@ class TinkerService:
         return [] if replaced is None else [replaced]
 
     def reserve_checkpoint(self, user_id: int, model: ModelRow, kind: str, freed: list[CheckpointRow]) -> int:
-        """Before a save is queued: QuotaExceeded if it would not fit the user's quota; else a
-        token holding its estimate until :meth:`CheckpointQuota.release`."""
-        estimate = self.checkpoint_estimate(model, kind)
-        in_flight = self.checkpoint_quota.in_flight(user_id, lambda model_id: self.host.slot(model_id) is not None)
-        self.checkpoint_quota.check(Usage(*self.state.checkpoint_usage(user_id)), in_flight, estimate, _usage(freed))
+        """Before a save is queued: QuotaExceeded if it would not fit the user's quota or the
+        server's cap (all users' saves under way counted); else a token holding its estimate
+        until :meth:`CheckpointQuota.release`."""
+        estimate, gone = self.checkpoint_estimate(model, kind), _usage(freed)
+
+        def alive(model_id: str) -> bool:
+            return self.host.slot(model_id) is not None
+
+        self.checkpoint_quota.check(Usage(*self.state.checkpoint_usage(user_id)),
+                                    self.checkpoint_quota.in_flight(user_id, alive), estimate, gone)
+        everyone = self.state.store.all_checkpoint_bytes() + self.checkpoint_quota.in_flight(None, alive).nbytes
+        self.server_cap.check(everyone - gone.nbytes, estimate, "a checkpoint of this model",
+                              "delete some of yours (RestClient.delete_checkpoint) or wait for saves under way or "
+                              "TTLs to end")
         return self.checkpoint_quota.reserve(user_id, model.model_id, estimate)
 
     def land_checkpoint(self, model: ModelRow, kind: str, name: str, user_id: int, folder: Path, ttl_s: int | None,
                         metadata: dict[str, str] | None, freed: list[CheckpointRow], ephemeral: bool = False
                         ) -> CheckpointRow:
-        """A save written to ``folder``: measured on disk, checked against the quota again
-        (UserError, the folder deleted, when it does not fit), recorded in place of any
-        checkpoint of the same name, whose folder is deleted."""
-        size = folder_bytes(folder)
+        """A save written to ``folder``: measured on disk, checked against the quota and the
+        server's cap again (UserError, the folder deleted, when it does not fit), recorded in
+        place of any checkpoint of the same name, whose folder is deleted."""
+        size, gone = folder_bytes(folder), _usage(freed)
         try:
-            self.checkpoint_quota.check_landed(Usage(*self.state.checkpoint_usage(user_id)), size, _usage(freed))
+            self.checkpoint_quota.check_landed(Usage(*self.state.checkpoint_usage(user_id)), size, gone)
+            self.server_cap.check_landed(self.state.store.all_checkpoint_bytes() - gone.nbytes, size)
         except QuotaExceeded as error:
             shutil.rmtree(folder, ignore_errors=True)
             raise UserError(str(error)) from None
@@ -346,11 +360,6 @@ class TinkerService:
                 log.exception("tinker housekeeping failed")
 
 
-def folder_bytes(folder: Path) -> int:
-    """A checkpoint's bytes on disk (0 once gone)."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
-
-
 def _usage(rows: list[CheckpointRow]) -> Usage:
     return Usage(len(rows), sum(row.size_bytes or 0 for row in rows))
 
@@ -378,6 +387,7 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
         max_checkpoints_per_user=settings.tinker_max_checkpoints,
         max_checkpoint_bytes_per_user=int(settings.tinker_max_checkpoint_gb * 2**30),
         max_checkpoint_ttl_s=settings.tinker_max_checkpoint_ttl_s,
+        max_server_checkpoint_bytes=int(settings.max_checkpoint_gb * 2**30),
         host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
                           max_resident_adapters=settings.tinker_max_resident_adapters,
                           offload_dir=str(settings.data_dir / "tinker" / "offload"),
