@@ -40,7 +40,9 @@ from opentinker.client.errors import (
     error_from_response,
 )
 from opentinker.client.jobs import JobHandle
-from opentinker.client.retries import MAX_RETRY_AFTER_S, RETRY_STATUSES, RetryableStatus, retry_transient
+from opentinker.client.retries import (
+    MAX_RETRY_AFTER_S, RETRY_STATUSES, RetryableStatus, retry_rate_limited, retry_transient,
+)
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import (
     API_PREFIX,
@@ -65,6 +67,8 @@ ENV_BASE_URL = "OPENTINKER_BASE_URL"
 ENV_API_KEY = "OPENTINKER_API_KEY"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: How long an env check refused because another of the user's is running (429) is tried again.
+ENV_CHECK_PATIENCE_S = 120.0
 
 
 def _user_agent() -> str:
@@ -276,10 +280,14 @@ class OpenTinkerClient:
         self, specs: Iterable[InteractionSpec | Mapping[str, Any]]
     ) -> EnvCheckResult:
         """``POST /v1/env/check``: the server validates the specs against its allowlist and
-        reaches every env endpoint's ``/health``."""
+        reaches every env endpoint's ``/health``. A check changes nothing, so one refused because
+        another is running (429: one at a time per user) is sent again after its ``Retry-After``,
+        for up to ``ENV_CHECK_PATIENCE_S``."""
         parsed = [s if isinstance(s, InteractionSpec) else InteractionSpec.model_validate(s) for s in specs]
         body = EnvCheck(interactions=parsed).model_dump(mode="json")
-        return EnvCheckResult.model_validate(self.request_json("POST", "/env/check", json=body))
+        answer = retry_rate_limited(lambda: self.request_json("POST", "/env/check", json=body),
+                                    timeout=ENV_CHECK_PATIENCE_S)
+        return EnvCheckResult.model_validate(answer)
 
     # ------------------------------------------------------------------ training
 

@@ -84,7 +84,10 @@ class AgentLoopRunner:
         await self.finalize_leftovers()
         loop = AgentLoop(self.requests.agenerate, self.tokenizer, self.templater, self.config, params)
         episodes = [self._episode(prompt) for prompt in prompts]
-        self._journal({name: [iid] for name, _, _, iid in episodes})
+        starting: dict[str, list[str]] = defaultdict(list)
+        for name, _, _, iid in episodes:
+            starting[name].append(iid)
+        self._journal(starting)
         try:
             trajectories = await asyncio.gather(*(
                 loop.run(prompt.row.get("prompt"), self.interactions[name], kwargs, iid)

@@ -12,6 +12,7 @@ processes that are SIGKILLed and started again on the same port) and the real ti
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import socket
@@ -344,3 +345,24 @@ def test_env_instances_a_killed_process_left_open_are_finalized_by_the_next_one(
     assert health["instances"] == 0
     assert health["jobs"]["default"]["finalized"] == 3 + 4  # the orphans, then the step's own episodes
     assert not (tmp_path / "env_instances.json").exists()  # nothing left open: nothing kept
+
+
+def test_every_episode_in_flight_is_in_the_journal_while_it_runs(tiny_model_dir, tmp_path):
+    """What a crash mid-step would leave: while a step's episodes reset at the env, all their
+    instance ids are in the run's journal (the step's 8, not one per interaction); after it, none."""
+    journal = tmp_path / "env_instances.json"
+    journaled: list[int] = []
+
+    class Recording(ArithmeticEnv):
+        def reset(self, seed=None, **kwargs):
+            journaled.append(len(json.loads(journal.read_text())["interactions"]["arith"]) if journal.exists() else 0)
+            return super().reset(seed=seed)
+
+    with running_env_server(Recording) as (url,):
+        config = make_config([*SMALL, "trainer.total_training_steps=2", "data.train_batch_size=4",
+                              f"trainer.default_local_dir={tmp_path}"])
+        with RLTrainer(config, train_rows=data_free_rows(8),
+                       interactions={"arith": GymEnvironmentInteraction({"env_endpoint": url})}) as trainer:
+            trainer.fit()
+    assert journaled == [8] * 16  # every reset saw its step's 8 ids kept
+    assert not journal.exists()

@@ -8,7 +8,8 @@ the reset's seed), graded on the first integer of the answer (reward 1.0, done),
 ``max_tries`` tries (reset kwarg, 3 by default: a wrong answer says so and asks again). The
 answer "crash" makes the env raise; "sleep N" makes it sleep N seconds first; "deep" makes it
 answer an observation nested 200 levels deep (so does every step after ``POST /fault
-{"deep_steps": K}``, K times). ``GET /stats`` counts env instances (live now, the most at once,
+{"deep_steps": K}``, K times); after ``POST /fault {"hold": true}`` steps wait until ``{"hold":
+false}`` (a rollout held in flight, for a test to break). ``GET /stats`` counts env instances (live now, the most at once,
 made in all) and records each reset's episode id, seed and other kwargs.
 """
 
@@ -47,9 +48,11 @@ class ArithObservation(Observation):
 
 
 LOCK = threading.Lock()
-STATS = {"live": 0, "peak": 0, "created": 0, "resets": {}}
+STATS = {"live": 0, "peak": 0, "created": 0, "resets": {}, "held": 0}
 FAULTS = {"deep_steps": 0}  # POST /fault {"deep_steps": K}: the next K steps answer nested DEEP levels
 DEEP = 200
+RELEASED = threading.Event()
+RELEASED.set()
 
 
 class ArithEnv(Environment):
@@ -82,6 +85,13 @@ class ArithEnv(Environment):
     def step(self, action, timeout_s=None, **kwargs):
         if action.answer == "crash":
             raise RuntimeError("the simulator crashed")
+        with LOCK:
+            STATS["held"] += 1
+        try:
+            RELEASED.wait(120)  # POST /fault {"hold": true}: steps wait here until {"hold": false}
+        finally:
+            with LOCK:
+                STATS["held"] -= 1
         with LOCK:
             deep = FAULTS["deep_steps"] > 0 or action.answer.startswith("deep")
             FAULTS["deep_steps"] = max(0, FAULTS["deep_steps"] - 1)
@@ -119,8 +129,11 @@ def stats():
 @app.post("/fault")
 def fault(faults: dict):
     with LOCK:
-        FAULTS["deep_steps"] = int(faults.get("deep_steps", 0))
-        return dict(FAULTS)
+        if "deep_steps" in faults:
+            FAULTS["deep_steps"] = int(faults["deep_steps"])
+    if "hold" in faults:
+        (RELEASED.clear if faults["hold"] else RELEASED.set)()
+    return {**FAULTS, "hold": not RELEASED.is_set()}
 
 
 if __name__ == "__main__":
@@ -183,9 +196,10 @@ class OpenEnvServer:
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/stats", timeout=10.0, trust_env=False).json()
 
-    def fault(self, deep_steps: int) -> None:
-        """The next ``deep_steps`` steps answer an observation nested 200 levels deep."""
-        httpx.post(f"{self.url}/fault", json={"deep_steps": deep_steps}, timeout=10.0, trust_env=False)
+    def fault(self, **faults) -> None:
+        """``deep_steps=K``: the next K steps answer an observation nested 200 levels deep;
+        ``hold=True``: steps wait (``stats()["held"]`` of them) until ``hold=False``."""
+        httpx.post(f"{self.url}/fault", json=faults, timeout=10.0, trust_env=False)
 
     def wait_idle(self, timeout_s: float = 10.0) -> dict:
         """The stats once no env instance is live (the server closes them as sessions end)."""
