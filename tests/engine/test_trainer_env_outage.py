@@ -366,3 +366,26 @@ def test_every_episode_in_flight_is_in_the_journal_while_it_runs(tiny_model_dir,
             trainer.fit()
     assert journaled == [8] * 16  # every reset saw its step's 8 ids kept
     assert not journal.exists()
+
+
+def test_a_relay_that_connects_ends_the_wait_at_once():
+    """:class:`EnvOutage` on a virtual clock: the wait for a dropped client relay sleeps through its
+    wake function (the hub's wait_attached); when the relay connects, the servers are probed at once,
+    not at the next backoff step (7.5 s here)."""
+    now, probed_at = [0.0], []
+    attached_at = 4.2
+
+    def wake(seconds):  # the hub: blocks up to ``seconds``, True once a client attaches
+        if now[0] + seconds >= attached_at:
+            now[0] = max(now[0], attached_at)
+            return True
+        now[0] += seconds
+        return False
+
+    def probe(urls):
+        probed_at.append(now[0])
+        return {url: None if now[0] >= attached_at else "not connected" for url in urls}
+
+    outage = EnvOutage(3, 60, probe, lambda message: None, clock=lambda: now[0], sleep=None, wake=wake)
+    outage.wait({"http://127.0.0.1:9": "client:http://127.0.0.1:9 (interaction 'arith')"}, "no client", 8, 8)
+    assert probed_at == pytest.approx([0.5, 1.5, 3.5, 4.2])  # the backoff's probes, then the attach's

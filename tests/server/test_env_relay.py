@@ -69,6 +69,7 @@ def test_an_env_the_server_may_not_reach_trains_through_the_client_relay(live, e
         refused = raw.post("/v1/jobs", json=direct)
     assert refused.status_code == 400
     assert f"env_endpoint http://127.0.0.1:{env_server} is not allowed on this server" in refused.text
+    assert 'set \\"relay\\": \\"client\\" in the interaction\'s config' in refused.text  # the user's own fix
 
     with OpenTinkerClient(live.url, live.keys["carol"]) as client:
         handle = client.submit(relayed_env(env_server), steps=3)
@@ -82,6 +83,20 @@ def test_an_env_the_server_may_not_reach_trains_through_the_client_relay(live, e
     assert handle.relay.calls >= 3 * 4 * 3  # reset, step and finalize of every sample
     assert handle.relay.refused == 0
     assert info.relay is not None and info.relay.interactions == ["arith"]
+
+
+def test_env_setup_says_a_refused_endpoint_is_refused_and_how_the_user_can_reach_it(live, env_server):
+    """An env that answers but that the server's policy may not reach is not called "unreachable":
+    env.setup names it as refused, with the operator's fix and the user's own (the relay)."""
+    from opentinker.client.errors import EnvironmentSetupError
+
+    with OpenTinkerClient(live.url, live.keys["carol"]) as client:
+        with pytest.raises(EnvironmentSetupError) as refused:
+            relayed_env(env_server, relay=False).setup(client)
+    message = str(refused.value)
+    assert f"env endpoint(s) this server may not reach: http://127.0.0.1:{env_server}" in message
+    assert "--allow-env-host" in message and '"relay": "client"' in message
+    assert "unreachable env endpoint" not in message
 
 
 CLIENT_SCRIPT = textwrap.dedent("""
