@@ -26,6 +26,9 @@ from opentinker.server.checkpoint_caps import JobCheckpointCaps, folder_bytes
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
 
+from .test_tinker_quotas import _model, _result, _session
+from .test_tinker_quotas import _raw as _tinker_client
+
 GiB = 2**30
 # What the stand-in runner writes at step 3 (conftest: StandInRunner._save).
 STAND_IN_BYTES = len('{"model_type": "stand-in", "step": 3}') + 3000 + len("{}")
@@ -196,35 +199,3 @@ def test_job_checkpoints_are_measured_again_when_the_server_starts(tmp_path):
     JobCheckpointCaps(store, settings).measure_on_disk()
     assert store.checkpoint_bytes(user.id) == 0 == store.all_checkpoint_bytes()
     store.close()
-
-
-# -- the Tinker API, raw (a 429 is seen as it is, not retried by the SDK) -------------------------
-
-
-def _tinker_client(url: str, key: str) -> httpx.Client:
-    return httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": "tml-" + key}, timeout=120, trust_env=False)
-
-
-def _result(raw: httpx.Client, request_id: str, timeout: float = 300) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        answer = raw.post("/retrieve_future", json={"request_id": request_id})
-        if not (answer.headers["content-type"].startswith("application/json")
-                and answer.json().get("type") == "try_again"):
-            return answer
-    raise TimeoutError(f"future {request_id} did not finish in {timeout} s")
-
-
-def _session(raw: httpx.Client) -> str:
-    answer = raw.post("/create_session", json={"tags": [], "sdk_version": "raw"})
-    assert answer.status_code == 200, answer.text
-    return answer.json()["session_id"]
-
-
-def _model(raw: httpx.Client, session_id: str) -> str:
-    created = raw.post("/create_model", json={"session_id": session_id, "model_seq_id": 0,
-                                              "base_model": "opentinker-tiny-arith", "lora_config": {"rank": 4}})
-    assert created.status_code == 200, created.text
-    answer = _result(raw, created.json()["request_id"])
-    assert "model_id" in answer.json(), answer.text
-    return answer.json()["model_id"]
