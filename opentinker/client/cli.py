@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from opentinker.client.client import ENV_API_KEY, ENV_BASE_URL, OpenTinkerClient
 from opentinker.client.errors import OpenTinkerError
-from opentinker.client.jobs import EnvTotals
+from opentinker.client.progress import EnvTotals
 from opentinker.protocol import Event, JobInfo
 
 __all__ = ["add_command", "build_parser", "format_event", "format_jobs_table", "main", "make_client"]

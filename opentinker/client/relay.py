@@ -47,415 +47,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
-import os
 import random
 import threading
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from opentinker.client.local_http import LocalCallFailed, LocalHTTP
+from opentinker.client.relay_calls import (
+    MAX_QUEUED_BYTES, MAX_QUEUED_CALLS, MAX_SESSIONS, RELAY_FRAME_DEPTH, SESSION_IDLE_S, CallQueue, LocalSession,
+    Refused, SessionTable, Throttled, answer_frame, call_timeout, frame, frame_bytes, shape_problem,
+)
+from opentinker.client.relay_specs import (
+    HTTP_CALLS, SESSION_MESSAGES, SESSION_PATHS, Route, forget, local_problems, recall, relayed_specs, remember, routes,
+)
 from opentinker.environments.registry import InteractionSpec
-from opentinker.environments.relay import relay_mode
 from opentinker.environments.transport import MAX_ANSWER_BYTES
-from opentinker.json_limits import MAX_ENV_JSON_DEPTH, JsonTooDeep, loads_bounded
 
 if TYPE_CHECKING:
     from opentinker.client.client import OpenTinkerClient
 
-__all__ = ["EnvRelay", "forget", "local_problems", "recall", "relayed_specs", "remember"]
+__all__ = ["MAX_QUEUED_BYTES", "MAX_QUEUED_CALLS", "MAX_SESSIONS", "RELAY_FRAME_DEPTH", "SESSION_IDLE_S", "EnvRelay",
+           "forget", "local_problems", "recall", "relayed_specs", "remember"]
 
 log = logging.getLogger("opentinker.client.relay")
 
-MAX_SESSIONS = 4096  # env sessions open or being opened at once (the default of ``max_sessions``)
-SESSION_IDLE_S = 600.0  # a session with no exchange for this long is closed (the default of ``session_idle_s``)
 MAX_CALL_BYTES = 64 << 20  # the largest message taken from the server (a call carries an action)
-#: How deeply a frame from the server may nest: an env's JSON (an action, a message) inside the call's envelope.
-RELAY_FRAME_DEPTH = MAX_ENV_JSON_DEPTH + 8
-MAX_QUEUED_CALLS = 16_384  # calls read and not answered yet; past that (or the bytes below) a call is answered busy
-MAX_QUEUED_BYTES = 256 << 20
-MAX_TIMEOUT_S = 3600.0
-CLOSED_RECV_S = 1.0  # how long to wait for what an env sent before it closed a session
-LOG_INTERVAL_S = 5.0  # at most one line per this long about skipped frames, and about refused calls
 #: How a server refusal ends the relay: these statuses will not change by retrying.
 _FINAL_CLOSE_CODES = {4401: "the API key was refused", 4403: "client relays are turned off on the server",
                       4404: "the server has no such job of yours", 4409: "the job needs no relay (it has finished)"}
-_GYM = "gym"
-_OPENENV = "openenv"
-_PROTOCOLS = {
-    "gym": _GYM, "GymEnvironmentInteraction": _GYM, "verl.interactions.gym_environment_interaction.GymEnvironmentInteraction": _GYM,
-    "opentinker.environments.gym_interaction.GymEnvironmentInteraction": _GYM,
-    "openenv": _OPENENV, "opentinker.environments.openenv_interaction.OpenEnvInteraction": _OPENENV,
-}
-_HTTP_CALLS = {_GYM: {("POST", "reset"), ("POST", "step"), ("POST", "finalize"), ("GET", "health")},
-               _OPENENV: {("GET", "health"), ("GET", "schema")}}
-_SESSION_PATHS = {_OPENENV: {"ws"}}
-_SESSION_MESSAGES = {"reset", "step", "state", "close"}
-#: The types a call's fields must have when present (the rest are checked where they are used).
-_CALL_FIELDS: dict[str, type] = {"op": str, "interaction": str, "method": str, "path": str, "session": str,
-                                 "message": dict}
-
-
-class _Refused(Exception):
-    """A call outside what the user configured: answered ``refused``, and logged."""
 
 
 class _Final(Exception):
     """The server ended the relay for a reason retrying will not change."""
 
 
-@dataclass(frozen=True)
-class _Route:
-    protocol: str
-    shards: tuple[str, ...]
-
-
-def _shards(spec: InteractionSpec) -> tuple[str, ...]:
-    from opentinker.environments.gym_interaction import shard_urls
-
-    return tuple(shard_urls(spec.config.get("env_endpoint"), spec.config.get("env_shards")))
-
-
-def relayed_specs(specs: Sequence[InteractionSpec]) -> list[InteractionSpec]:
-    """The specs with ``relay: client`` (ValueError for one whose protocol cannot be relayed)."""
-    relayed = []
-    for spec in specs:
-        if not relay_mode(spec.config.get("relay")):
-            continue
-        if spec.class_path not in _PROTOCOLS:
-            raise ValueError(f"interaction {spec.name!r}: relay: client carries the gym protocol ('gym') and OpenEnv "
-                             f"('openenv'), not {spec.class_path!r}")
-        _shards(spec)  # a malformed endpoint is an error now, not at the first call
-        relayed.append(spec)
-    return relayed
-
-
-def _routes(specs: Sequence[InteractionSpec]) -> dict[str, _Route]:
-    return {spec.name: _Route(_PROTOCOLS[spec.class_path], _shards(spec)) for spec in relayed_specs(specs)}
-
-
-def local_problems(specs: Sequence[InteractionSpec], timeout_s: float = 3.0) -> list[str]:
-    """What is wrong with the relayed envs of ``specs``, checked from this machine (where the relay
-    will call them): each endpoint's ``GET /health`` must answer 2xx, and an OpenEnv server's
-    ``/schema`` must fit the interaction's ``action_field`` (as the server checks a direct one)."""
-    from opentinker.environments.openenv_schema import action_field_for
-
-    problems = []
-    by_name = {spec.name: spec for spec in specs}
-    with httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout_s) as http:
-        for name, route in _routes(specs).items():
-            for base in route.shards:
-                label = f"interaction {name!r} (relay: client): {base}"
-                try:
-                    status = http.get(f"{base}/health").status_code
-                    if not 200 <= status < 300:
-                        problems.append(f"{label}/health answered HTTP {status}")
-                        continue
-                    if route.protocol == _OPENENV:
-                        config = by_name[name].config
-                        action_field_for(http.get(f"{base}/schema").json(), config.get("action_field"),
-                                         config.get("action_extra"))
-                except httpx.HTTPError as exc:
-                    problems.append(f"{label} does not answer on this machine ({type(exc).__name__}); is the "
-                                    "environment server running?")
-                except ValueError as exc:  # the schema does not fit, or is not JSON
-                    problems.append(f"{label}/schema: {exc}")
-    return problems
-
-
-# ---------------------------------------------------------------------- the record on disk
-
-
-def _state_dir() -> Path:
-    configured = os.environ.get("OPENTINKER_STATE_DIR", "").strip()
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_STATE_HOME", "").strip() or "~/.local/state"
-    return Path(base).expanduser() / "opentinker"
-
-
-def _record_path(client: OpenTinkerClient, job_id: str) -> Path:
-    server = hashlib.sha256(client.base_url.encode()).hexdigest()[:16]
-    safe = "".join(c for c in job_id if c.isalnum() or c in "-_")[:128] or "job"
-    return _state_dir() / "relays" / server / f"{safe}.json"
-
-
-def remember(client: OpenTinkerClient, job_id: str, specs: Sequence[InteractionSpec]) -> Path | None:
-    """Keep the job's relayed specs on this machine (mode 0600), for a later :func:`recall`."""
-    relayed = relayed_specs(specs)
-    if not relayed:
-        return None
-    path = _record_path(client, job_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps({"server": client.base_url, "job_id": job_id,
-                       "interactions": [s.model_dump(mode="json") for s in relayed]}, indent=1)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(data)
-    return path
-
-
-def recall(client: OpenTinkerClient, job_id: str) -> list[InteractionSpec]:
-    """The relayed specs this machine kept for the job (empty when it kept none)."""
-    path = _record_path(client, job_id)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    if data.get("server") != client.base_url or data.get("job_id") != job_id:
-        return []
-    return [InteractionSpec.model_validate(s) for s in data.get("interactions") or ()]
-
-
-def forget(client: OpenTinkerClient, job_id: str) -> None:
-    with contextlib.suppress(OSError):
-        _record_path(client, job_id).unlink()
-
-
-# ---------------------------------------------------------------------- frames and answers
-
-
 def _ws_url(http_url: str) -> str:
     return "ws" + http_url[len("http"):]
-
-
-def _timeout(call: dict[str, Any]) -> float:
-    value = call.get("timeout_s", 30.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-        raise _Refused(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
-    return float(value)
 
 
 def _backoff(failures: int) -> float:
     """Seconds to wait before connecting again after ``failures`` tries in a row."""
     return min(10.0, 0.25 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
-
-
-def _frame(data: str | bytes) -> dict[str, Any]:
-    """The message of one frame from the server; ValueError saying why it cannot be used."""
-    if not isinstance(data, str):
-        raise ValueError("a binary frame")
-    try:
-        message = loads_bounded(data, max_depth=RELAY_FRAME_DEPTH)
-    except JsonTooDeep as exc:
-        raise ValueError(f"a frame of {exc}") from None
-    except ValueError:
-        raise ValueError("a frame that is not JSON") from None
-    if not isinstance(message, dict):
-        raise ValueError("a frame that is not a JSON object")
-    return message
-
-
-def _frame_bytes(text: str) -> int:
-    """The size of a text frame on the wire (UTF-8)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-
-
-def _shape_problem(call: dict[str, Any]) -> str | None:
-    """What is wrong with the types of a call's fields (None: nothing)."""
-    for key, kind in _CALL_FIELDS.items():
-        value = call.get(key)
-        if value is not None and not isinstance(value, kind):
-            return f"its {key} is a {type(value).__name__}, not a {kind.__name__}"
-    return None
-
-
-def _answer_frame(call_id: int, answer: dict[str, Any]) -> str:
-    """The frame that answers call ``call_id``. A text frame must be UTF-8, so an env's lone
-    surrogate (JSON's ``"\\ud800"``, read into a str) is sent escaped, as JSON allows."""
-    frame = {"type": "answer", "id": call_id, **answer}
-    text = json.dumps(frame, ensure_ascii=False)
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return json.dumps(frame)
-    return text
-
-
-def _session_message(reply: str | bytes) -> dict[str, Any]:
-    """The answer carrying an env session's ``reply``, or the error answer it earns."""
-    if not isinstance(reply, str):
-        return {"error": "bad_answer", "detail": "a binary message where JSON text was due"}
-    try:
-        return {"message": loads_bounded(reply, max_depth=MAX_ENV_JSON_DEPTH)}
-    except JsonTooDeep as exc:
-        return {"error": "bad_answer", "detail": f"a message of {exc}"}
-    except ValueError:
-        return {"error": "bad_answer", "detail": "a message that is not JSON"}
-
-
-class _Throttled:
-    """Warnings of one kind: at most one line per ``interval_s``, which counts the ones it stands for."""
-
-    def __init__(self, what: str, interval_s: float = LOG_INTERVAL_S):
-        self.what = what  # a format string with {count}
-        self.interval_s = interval_s
-        self.count = 0  # in all
-        self._unsaid = 0
-        self._said_at: float | None = None
-
-    def warn(self, job_id: str, latest: str) -> None:
-        self.count += 1
-        self._unsaid += 1
-        now = time.monotonic()
-        if self._said_at is not None and now - self._said_at < self.interval_s:
-            return
-        log.warning("job %s: the client relay %s (the latest: %s)", job_id, self.what.format(count=self._unsaid),
-                    latest)
-        self._unsaid, self._said_at = 0, now
-
-
-# ---------------------------------------------------------------------- calls and sessions
-
-
-class _CallQueue:
-    """The calls of one connection that were read and are not answered yet: at most
-    ``max_calls``, whose frames add up to at most ``max_bytes`` (:meth:`offer` says False past
-    that). Each :meth:`serve` task answers them one at a time, in the order they came."""
-
-    def __init__(self, max_calls: int = MAX_QUEUED_CALLS, max_bytes: int = MAX_QUEUED_BYTES):
-        self.max_calls = max_calls
-        self.max_bytes = max_bytes
-        self.calls = 0
-        self.bytes = 0
-        self._waiting: asyncio.Queue[tuple[dict[str, Any], int]] = asyncio.Queue()
-
-    def offer(self, call: dict[str, Any], size: int) -> bool:
-        if self.calls >= self.max_calls or self.bytes + size > self.max_bytes:
-            return False
-        self.calls += 1
-        self.bytes += size
-        self._waiting.put_nowait((call, size))
-        return True
-
-    async def serve(self, answer: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        """``await answer(call)`` for each call as it comes (until cancelled)."""
-        while True:
-            call, size = await self._waiting.get()
-            try:
-                await answer(call)
-            finally:
-                self.calls -= 1
-                self.bytes -= size
-
-
-class _LocalSession:
-    """A WebSocket session with the local env; one exchange at a time."""
-
-    def __init__(self, socket: Any):
-        self.socket = socket
-        self.lock = asyncio.Lock()
-        self.exchanges = 0  # running or waiting for the lock
-        self.used_at = asyncio.get_running_loop().time()
-
-    def idle_for(self, now: float) -> float:
-        """How long the session has had no exchange (0 while it has one)."""
-        return 0.0 if self.exchanges else now - self.used_at
-
-    async def exchange(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        self.exchanges += 1
-        try:
-            async with self.lock:
-                reply = await self._send_and_receive(message, timeout_s)
-        finally:
-            self.exchanges -= 1
-            self.used_at = asyncio.get_running_loop().time()
-        return reply if isinstance(reply, dict) else _session_message(reply)
-
-    async def _send_and_receive(self, message: dict[str, Any], timeout_s: float) -> str | bytes | dict[str, Any]:
-        """The env's reply to ``message``, or an error answer."""
-        from websockets.exceptions import ConnectionClosed, PayloadTooBig
-
-        try:
-            try:
-                await self.socket.send(json.dumps(message))
-            except ConnectionClosed:
-                # The env may have said why before closing (OpenEnv's CAPACITY_REACHED, sent as it
-                # accepts a session past its max_concurrent_envs): recv() returns what was received
-                # before the close, else raises ConnectionClosed.
-                timeout_s = min(timeout_s, CLOSED_RECV_S)
-            return await asyncio.wait_for(self.socket.recv(), timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            return {"error": "no_answer", "detail": f"no message within {timeout_s:g}s"}
-        except PayloadTooBig:
-            return {"error": "bad_answer", "detail": f"a message larger than {MAX_ANSWER_BYTES} bytes"}
-        except ConnectionClosed as closed:
-            return {"error": "no_answer", "detail": f"the env closed the session ({closed})"}
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.socket.close()
-
-
-async def _close_all(sessions: Sequence[_LocalSession]) -> None:
-    await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
-
-
-class _SessionTable:
-    """The relay's env sessions: at most ``limit`` open or being opened (:meth:`reserve` takes a
-    slot before the connection is made, :meth:`settle` keeps the session or frees the slot),
-    and one with no exchange for ``idle_s`` is closed by :meth:`sweep`."""
-
-    def __init__(self, limit: int = MAX_SESSIONS, idle_s: float = SESSION_IDLE_S):
-        if limit < 1 or idle_s <= 0:
-            raise ValueError("a relay needs max_sessions >= 1 and session_idle_s > 0")
-        self.limit = limit
-        self.idle_s = idle_s
-        self._open: dict[str, _LocalSession] = {}
-        self._opening: set[str] = set()
-
-    def __len__(self) -> int:
-        return len(self._open) + len(self._opening)
-
-    def reserve(self, session_id: str) -> None:
-        if session_id in self._open or session_id in self._opening:
-            raise _Refused("a session needs a new id")
-        if len(self) >= self.limit:
-            raise _Refused(f"this relay holds {self.limit} env sessions already")
-        self._opening.add(session_id)
-
-    def settle(self, session_id: str, session: _LocalSession | None) -> None:
-        """The end of ``session_id``'s reservation: ``session`` opened, or None (the slot is free again)."""
-        self._opening.discard(session_id)
-        if session is not None:
-            self._open[session_id] = session
-
-    def get(self, session_id: str) -> _LocalSession | None:
-        return self._open.get(session_id)
-
-    def pop(self, session_id: str) -> _LocalSession | None:
-        return self._open.pop(session_id, None)
-
-    async def close_idle(self) -> int:
-        """Close the sessions idle for longer than ``idle_s``; how many."""
-        now = asyncio.get_running_loop().time()
-        idle = [session_id for session_id, session in self._open.items() if session.idle_for(now) > self.idle_s]
-        await _close_all([self._open.pop(session_id) for session_id in idle])
-        return len(idle)
-
-    async def sweep(self, job_id: str) -> None:
-        """:meth:`close_idle` every ``min(30, idle_s / 4)`` seconds (until cancelled)."""
-        while True:
-            await asyncio.sleep(min(30.0, self.idle_s / 4))
-            closed = await self.close_idle()
-            if closed:
-                log.info("job %s: closed %d env session(s) idle for over %gs", job_id, closed, self.idle_s)
-
-    async def close(self) -> None:
-        sessions = list(self._open.values())
-        self._open.clear()
-        await _close_all(sessions)
-
-
-# ---------------------------------------------------------------------- the relay
 
 
 class EnvRelay:
@@ -466,7 +102,7 @@ class EnvRelay:
                  max_concurrent: int = 64, max_sessions: int = MAX_SESSIONS, session_idle_s: float = SESSION_IDLE_S):
         self.client = client
         self.job_id = job_id
-        self.routes = _routes(specs)
+        self.routes = routes(specs)
         if not self.routes:
             raise ValueError("no interaction of these specs has relay: client")
         if max_concurrent < 1:
@@ -482,10 +118,10 @@ class EnvRelay:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
-        self._sessions = _SessionTable(max_sessions, session_idle_s)
+        self._sessions = SessionTable(max_sessions, session_idle_s)
         self._http: LocalHTTP | None = None
-        self._skipped = _Throttled("skipped {count} frame(s) from the server that it cannot use")
-        self._refusals = _Throttled("refused {count} call(s) outside what its specs allow")
+        self._skipped = Throttled("skipped {count} frame(s) from the server that it cannot use")
+        self._refusals = Throttled("refused {count} call(s) outside what its specs allow")
 
     def __repr__(self) -> str:
         return f"EnvRelay(job={self.job_id!r}, interactions={sorted(self.routes)}, connected={self.connected})"
@@ -605,10 +241,10 @@ class EnvRelay:
     async def _serve(self, socket: Any) -> None:
         """Answer the calls of one connection until it closes. Frames are read as they come,
         however busy the env is (so the server's keepalive pings are answered); calls wait in a
-        bounded :class:`_CallQueue` for one of ``max_concurrent`` workers."""
+        bounded :class:`CallQueue` for one of ``max_concurrent`` workers."""
         from websockets.exceptions import ConnectionClosed
 
-        queue = _CallQueue()
+        queue = CallQueue()
         answer = functools.partial(self._answer, socket)
         tasks = [asyncio.create_task(queue.serve(answer)) for _ in range(self.max_concurrent)]
         tasks.append(asyncio.create_task(self._sessions.sweep(self.job_id)))
@@ -629,11 +265,11 @@ class EnvRelay:
         if code in _FINAL_CLOSE_CODES:
             raise _Final(f"{_FINAL_CLOSE_CODES[code]}: {socket.close_reason}")
 
-    async def _take(self, socket: Any, data: str | bytes, queue: _CallQueue) -> None:
+    async def _take(self, socket: Any, data: str | bytes, queue: CallQueue) -> None:
         """One frame from the server: a call is queued (or, past the queue's bounds, answered
         ``no_answer`` at once), a hello noted; a frame that cannot be used is logged and skipped."""
         try:
-            message = _frame(data)
+            message = frame(data)
         except ValueError as exc:
             self._skipped.warn(self.job_id, str(exc))
             return
@@ -642,7 +278,7 @@ class EnvRelay:
             call_id = message.get("id")
             if isinstance(call_id, bool) or not isinstance(call_id, int):
                 self._skipped.warn(self.job_id, "a call without an integer id")
-            elif not queue.offer(message, _frame_bytes(data)):  # type: ignore[arg-type]  # _frame took text only
+            elif not queue.offer(message, frame_bytes(data)):  # type: ignore[arg-type]  # _frame took text only
                 await self._send(socket, call_id, {
                     "error": "no_answer", "detail": f"the client relay is busy ({queue.calls} calls waiting or "
                     f"running, at most {queue.max_calls} and {queue.max_bytes >> 20} MiB); the call was not made"})
@@ -668,13 +304,13 @@ class EnvRelay:
 
     async def _send(self, socket: Any, call_id: int, answer: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # the connection may be gone: the server fails the call itself
-            await socket.send(_answer_frame(call_id, answer))
+            await socket.send(answer_frame(call_id, answer))
 
     async def _answer(self, socket: Any, call: dict[str, Any]) -> None:
         try:
             answer = await self._handle(call)
             self.calls += 1
-        except _Refused as refused:
+        except Refused as refused:
             self.refused += 1
             fields = {key: str(call.get(key))[:80] for key in ("op", "interaction", "shard", "method", "path")}
             self._refusals.warn(self.job_id, f"{refused}: {json.dumps(fields)}")
@@ -684,19 +320,19 @@ class EnvRelay:
             answer = {"error": "bad_answer", "detail": f"the client relay failed: {type(exc).__name__}"}
         await self._send(socket, call["id"], answer)
 
-    def _base(self, call: dict[str, Any]) -> tuple[_Route, str]:
+    def _base(self, call: dict[str, Any]) -> tuple[Route, str]:
         route = self.routes.get(call.get("interaction"))  # type: ignore[arg-type]
         if route is None:
-            raise _Refused(f"interaction {str(call.get('interaction'))[:80]!r} is not relayed by this client")
+            raise Refused(f"interaction {str(call.get('interaction'))[:80]!r} is not relayed by this client")
         shard = call.get("shard")
         if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(route.shards):
-            raise _Refused(f"shard {str(shard)[:20]!r} is not one of its {len(route.shards)} endpoint(s)")
+            raise Refused(f"shard {str(shard)[:20]!r} is not one of its {len(route.shards)} endpoint(s)")
         return route, route.shards[shard]
 
     async def _handle(self, call: dict[str, Any]) -> dict[str, Any]:
-        problem = _shape_problem(call)
+        problem = shape_problem(call)
         if problem is not None:
-            raise _Refused(f"a malformed call: {problem}")
+            raise Refused(f"a malformed call: {problem}")
         op = call.get("op")
         if op == "http":
             return await self._http_call(call)
@@ -709,17 +345,17 @@ class EnvRelay:
             if session is not None:
                 await session.close()
             return {"ok": True}
-        raise _Refused(f"unknown operation {str(op)[:40]!r}")
+        raise Refused(f"unknown operation {str(op)[:40]!r}")
 
     async def _http_call(self, call: dict[str, Any]) -> dict[str, Any]:
         route, base = self._base(call)
         method, path = call.get("method"), call.get("path")
-        if (method, path) not in _HTTP_CALLS[route.protocol]:
-            raise _Refused(f"{str(method)[:10]} /{str(path)[:80]} is not a call of the {route.protocol} protocol")
+        if (method, path) not in HTTP_CALLS[route.protocol]:
+            raise Refused(f"{str(method)[:10]} /{str(path)[:80]} is not a call of the {route.protocol} protocol")
         body = call.get("body")
         if method == "GET" and body is not None:
-            raise _Refused("a GET carries no body")
-        timeout = _timeout(call)
+            raise Refused("a GET carries no body")
+        timeout = call_timeout(call)
         assert self._http is not None
         try:
             status, content_type, data = await self._http.request(method, base, path, body, timeout)
@@ -737,16 +373,16 @@ class EnvRelay:
 
         route, base = self._base(call)
         path = call.get("path")
-        if path not in _SESSION_PATHS.get(route.protocol, ()):
-            raise _Refused(f"a session on /{str(path)[:80]} is not part of the {route.protocol} protocol")
+        if path not in SESSION_PATHS.get(route.protocol, ()):
+            raise Refused(f"a session on /{str(path)[:80]} is not part of the {route.protocol} protocol")
         session_id = call.get("session")
         if not isinstance(session_id, str) or not 0 < len(session_id) <= 200:
-            raise _Refused("a session needs a new id (a string of at most 200 characters)")
-        timeout = _timeout(call)
+            raise Refused("a session needs a new id (a string of at most 200 characters)")
+        timeout = call_timeout(call)
         self._sessions.reserve(session_id)  # before connecting: concurrent opens never pass the limit
         session = None
         try:
-            session = _LocalSession(await connect(f"{_ws_url(base)}/{path}", max_size=MAX_ANSWER_BYTES,
+            session = LocalSession(await connect(f"{_ws_url(base)}/{path}", max_size=MAX_ANSWER_BYTES,
                                                   compression=None, open_timeout=timeout, proxy=None))
         except InvalidStatus as exc:
             status = exc.response.status_code
@@ -761,9 +397,9 @@ class EnvRelay:
     async def _exchange(self, call: dict[str, Any]) -> dict[str, Any]:
         message = call.get("message")
         kind = message.get("type") if isinstance(message, dict) else None
-        if not isinstance(kind, str) or kind not in _SESSION_MESSAGES:
-            raise _Refused(f"session messages are {', '.join(sorted(_SESSION_MESSAGES))}")
-        timeout = _timeout(call)
+        if not isinstance(kind, str) or kind not in SESSION_MESSAGES:
+            raise Refused(f"session messages are {', '.join(sorted(SESSION_MESSAGES))}")
+        timeout = call_timeout(call)
         session = self._sessions.get(str(call.get("session")))
         if session is None:
             return {"error": "no_answer", "detail": "no such env session (it was closed, idle for over "

@@ -123,6 +123,7 @@ class ProtocolState:
         if reason:
             data["reason"] = reason
         self.emit(job, "status", data)
+        job.info.final_event_id = job.events[-1].id if status.finished else None  # where its events end
 
 
 def _total_steps(config: dict[str, Any]) -> int | None:

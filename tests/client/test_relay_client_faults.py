@@ -18,7 +18,8 @@ from typing import Any
 from websockets.asyncio.server import serve
 
 from opentinker import OpenTinkerClient
-from opentinker.client.relay import MAX_QUEUED_CALLS, EnvRelay, _CallQueue
+from opentinker.client.relay import MAX_QUEUED_CALLS, EnvRelay
+from opentinker.client.relay_calls import CallQueue
 from opentinker.environments.registry import InteractionSpec
 
 WAIT_S = 60.0  # how long a test waits for what must happen (a bound against hanging, never a measure)
@@ -415,7 +416,7 @@ def test_calls_past_the_queue_are_answered_busy_at_once():
 
 def test_the_call_queue_is_bounded_by_the_size_of_its_frames():
     async def main() -> None:
-        queue = _CallQueue(max_calls=10, max_bytes=1000)
+        queue = CallQueue(max_calls=10, max_bytes=1000)
         assert queue.offer({"id": 1}, 600)
         assert not queue.offer({"id": 2}, 600)  # 1,200 bytes would wait
         assert queue.offer({"id": 3}, 400)

@@ -11,7 +11,7 @@ import threading
 from opentinker import OpenTinkerClient
 from opentinker.client.cli import format_job
 from opentinker.client.errors import JobFailedError
-from opentinker.client.jobs import EnvTotals
+from opentinker.client.progress import EnvTotals
 from opentinker.protocol import JobInfo, JobStatus
 
 
