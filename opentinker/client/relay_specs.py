@@ -23,6 +23,7 @@ import httpx
 
 from opentinker.environments.registry import InteractionSpec
 from opentinker.environments.relay import relay_mode
+from opentinker.json_limits import MAX_ENV_JSON_DEPTH, loads_bounded
 
 if TYPE_CHECKING:
     from opentinker.client.client import OpenTinkerClient
@@ -94,12 +95,13 @@ def local_problems(specs: Sequence[InteractionSpec], timeout_s: float = 3.0) -> 
                         continue
                     if route.protocol == OPENENV:
                         config = by_name[name].config
-                        action_field_for(http.get(f"{base}/schema").json(), config.get("action_field"),
+                        schema = loads_bounded(http.get(f"{base}/schema").content, MAX_ENV_JSON_DEPTH)
+                        action_field_for(schema, config.get("action_field"),
                                          config.get("action_extra"))
                 except httpx.HTTPError as exc:
                     problems.append(f"{label} does not answer on this machine ({type(exc).__name__}); is the "
                                     "environment server running?")
-                except ValueError as exc:  # the schema does not fit, or is not JSON
+                except ValueError as exc:  # the schema does not fit, is not JSON, or nests too deep
                     problems.append(f"{label}/schema: {exc}")
     return problems
 

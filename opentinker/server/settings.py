@@ -216,7 +216,9 @@ class ServerSettings:
         reads one message at a time, so a queue of one costs it nothing."""
         from opentinker.server.routers.relay import MAX_MESSAGE_BYTES
 
-        sizes = {"ws_max_size": MAX_MESSAGE_BYTES, "ws_max_queue": 1}
+        # No per-message compression: a 32 KB deflated frame would make the server inflate and
+        # parse 32 MiB, and the client relay sends uncompressed frames anyway.
+        sizes = {"ws_max_size": MAX_MESSAGE_BYTES, "ws_max_queue": 1, "ws_per_message_deflate": False}
         if not self.trusted_proxies:
             return {"proxy_headers": False, **sizes}
         return {"proxy_headers": True, "forwarded_allow_ips": list(self.trusted_proxies), **sizes}

@@ -161,6 +161,7 @@ def test_the_buffer_is_the_operators_choice_and_uvicorn_queues_one_message():
         ServerSettings(env_relay_buffer_mb=0)
     options = ServerSettings().uvicorn_options()
     assert options["ws_max_queue"] == 1 and options["ws_max_size"] >= 32 * MiB
+    assert options["ws_per_message_deflate"] is False  # no 1000x inflation of a small frame
 
 
 # a real API process ------------------------------------------------------------------------
