@@ -5,7 +5,6 @@ interactions (multi-turn: the reward comes from the environment)."""
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -81,11 +80,7 @@ class RolloutSampler:
         per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
         params = self.sampling_params(validation)
         if self.agent_loops is not None:
-            trajectories, names = self.agent_loops.run(per_sample, params)
-            timed_out = Counter(t.info["error_url"] for t in trajectories if t.info.get("env_timeout"))
-            if timed_out:
-                self.warn("env calls ran past their interaction's timeout_s and those samples are left out: "
-                                + ", ".join(f"{url} x{count}" for url, count in timed_out.most_common()))
+            trajectories, names = self.agent_loops.run(per_sample, params)  # (step_warnings names env errors)
             texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
             return Rollout(per_sample, trajectories, texts, names)
         completions = self.engine.generate([p.prompt_ids for p in per_sample], params)

@@ -3,7 +3,8 @@
 - **Lost episodes**: samples that are env errors of the env's own (an error reply, a malformed
   or over-deep answer, a call past the interaction's deadline). They are left out of the step
   (the outage rule redoes a step for anything else), so the step trains on fewer samples than
-  asked: said at every step it happens, with the count and the last error.
+  asked: said at every step it happens, with the count per endpoint, how many ran past their
+  interaction's ``timeout_s``, and the last error.
 - **Constant rewards**: every trained sample of the step got the same reward, so GRPO-style
   advantages are all zero and the step teaches nothing.
 - **Identical prompts**: several distinct prompts of the step, and every one the same text (an
@@ -15,8 +16,10 @@ starts, then at most every ``REPEAT_EVERY`` steps while it lasts, and once when 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
+from opentinker.engine.agent_runner import env_endpoint_of
 from opentinker.engine.step_types import Rollout
 
 __all__ = ["StepWarnings"]
@@ -66,11 +69,14 @@ class StepWarnings:
         if not failed:
             return
         kept = "kept with env_error_reward" if not failed[0].excluded else "left out of the step"
+        where = Counter(env_endpoint_of(str(t.info.get("error_url") or "an env")) for t in failed)
+        timed_out = sum(bool(t.info.get("env_timeout")) for t in failed)
         last = str(failed[-1].info.get("error") or "no error text")
         if len(last) > _MAX_ERROR_CHARS:
             last = last[:_MAX_ERROR_CHARS] + "..."
         self.warn(f"step {step}: {len(failed)} of {len(rollout.trajectories)} episodes ended in an error of the env's "
-                  f"own and are {kept}; last error: {last}")
+                  f"own and are {kept} ({', '.join(f'{url} x{count}' for url, count in where.most_common(5))}"
+                  f"{f'; {timed_out} ran past their interaction timeout_s' if timed_out else ''}); last error: {last}")
 
     def _constant_rewards(self, step: int, rollout: Rollout) -> None:
         rewards = [rollout.trajectories[i].reward for i in rollout.trainable()]

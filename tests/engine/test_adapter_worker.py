@@ -62,14 +62,18 @@ def test_one_adapter_trains_as_a_model_of_its_own():
         mine = own.forward_backward(data, "cross_entropy", {}, False)
         fb, _ = shared.cycle([ForwardBackwardCall("a", data, "cross_entropy")], [("optim_step", "a", (ADAM,))])
         ours = fb[0]["result"]
-        assert ours["metrics"]["loss:sum"] == pytest.approx(mine["metrics"]["loss:sum"], abs=1e-5)
+        # A sum of ~300 in float32 (its spacing there is 3e-5): equal within a few units in the last place.
+        assert ours["metrics"]["loss:sum"] == pytest.approx(mine["metrics"]["loss:sum"], rel=1e-6, abs=1e-5)
         for a, b in zip(ours["outputs"], mine["outputs"]):
             np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
         own.optim_step(ADAM)
     theirs = {n.replace(".default.", "."): p for n, p in own.backend.model.named_parameters() if p.requires_grad}
     ours = adapter_weights(shared, "a")
     assert set(theirs) == set(ours)
-    assert max(float((theirs[n] - ours[n]).abs().max()) for n in ours) < 1e-5
+    # Float noise in a gradient near zero moves Adam's normalized update by a fraction of the learning
+    # rate (measured 1.5e-5 after 3 steps with transformers 5.19); a step missing or made twice would
+    # differ by the learning rate itself, 5e-3.
+    assert max(float((theirs[n] - ours[n]).abs().max()) for n in ours) < 1e-4
 
 
 def test_models_batched_together_train_as_each_alone_and_a_bad_request_fails_alone():

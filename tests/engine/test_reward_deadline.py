@@ -113,5 +113,7 @@ def test_an_env_call_past_the_interactions_timeout_costs_that_sample_only(tiny_m
     trainer.close()
     assert metrics["env/slow/env_errors"] == 1 and metrics["rollout/excluded_trajectories"] == 1
     assert metrics["actor/optimizer_steps"] == 1
-    assert warnings == ["env calls ran past their interaction's timeout_s and those samples are left out: "
-                        "interaction 'slow' x1"]
+    lost = [w for w in warnings if "error of the env's own" in w]
+    assert lost == ["step 1: 1 of 8 episodes ended in an error of the env's own and are left out of the step "
+                    "(interaction 'slow' x1; 1 ran past their interaction timeout_s); last error: environment "
+                    "server interaction 'slow' failed: no answer within the interaction's deadline of 1 s (timeout_s)"]

@@ -70,8 +70,9 @@ def test_episodes_lost_to_the_envs_own_errors_are_said_at_each_step(tiny_model_d
     history, warnings = train(HalfBrokenEnv, 2)
     lost = [w for w in warnings if "error of the env's own" in w]
     assert [w.split(":")[0] for w in lost] == ["step 1", "step 2"]
-    assert all(" 2 of 4 episodes ended in an error of the env's own and are left out of the step; last error: "
-               "environment server " in w and "HTTP 500: RuntimeError: the simulator tripped" in w for w in lost)
+    assert all(" 2 of 4 episodes ended in an error of the env's own and are left out of the step "
+               "(http://127.0.0.1:" in w and " x2); last error: environment server " in w
+               and "HTTP 500: RuntimeError: the simulator tripped" in w for w in lost)
     assert [m["env/arith/env_errors"] for m in history] == [2, 2]
 
 

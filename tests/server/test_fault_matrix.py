@@ -296,8 +296,13 @@ def test_every_route_holds_its_promises_under_every_fault(tmp_path, helpers):
         before = {name: env.resets() for name, env in envs.items()}
         for cell, job_id in job_ids.items():
             rows = [{"extra_info": {"interaction_kwargs": {"name": cell[0].replace("-", "_")}}}] * 4
-            answer = raw.post(f"/v1/jobs/{job_id}/steps", json={"step": step, "rows": rows})
-            assert answer.status_code in (200, 202), (cell, answer.status_code, answer.text)
+
+            def accepted(job_id=job_id, rows=rows) -> bool:  # 503: the runner is busy starting ("retry")
+                answer = raw.post(f"/v1/jobs/{job_id}/steps", json={"step": step, "rows": rows})
+                assert answer.status_code in (200, 202, 503), (cell, answer.status_code, answer.text)
+                return answer.status_code != 503
+
+            _wait(accepted, 120, f"{cell} to accept step {step}")
         _wait(lambda: all(env.resets() > before[name] for name, env in envs.items()), 120, f"step {step}'s rollouts")
 
     def attach_all() -> None:

@@ -337,12 +337,14 @@ def flood(relay: Relay, count: int, size: int, first_id: int) -> None:
 
 
 def test_answers_to_no_call_hold_nothing_in_the_api_process(api_process, helpers):
-    """256 answers of 32 MiB each, to calls never sent, on the relay of a queued job and of a
-    running one (with a call of its own in flight): the API process's RSS stays flat, and both
-    relays carry their job's calls afterwards."""
+    """Answers of 32 MiB each (64, or $OPENTINKER_RELAY_FLOOD_FRAMES), to calls never sent, on the
+    relay of a queued job and of a running one (with a call of its own in flight): the API
+    process's RSS stays flat, and both relays carry their job's calls afterwards."""
     import ray
 
-    size, count = 32 * MiB, 256
+    # 64 frames (2 GiB) already tell a bounded route from the one the audit saw grow by 2.1 GB; the
+    # audit's 256 (8 GiB) take 2.5 min on 2 cores: OPENTINKER_RELAY_FLOOD_FRAMES=256 runs them.
+    size, count = 32 * MiB, int(os.environ.get("OPENTINKER_RELAY_FLOOD_FRAMES", "64"))
     with httpx_client(api_process, "ivy") as raw:
         running = helpers.create_job(raw, "hold-running", mode="client", interactions=[SPEC])
         helpers.wait_status(raw, running, "running", timeout=60)
@@ -356,17 +358,13 @@ def test_answers_to_no_call_hold_nothing_in_the_api_process(api_process, helpers
                 report = []
                 for name, relay, first_id in (("queued", to_queued, 1), ("running", to_running, call["id"] + 1000)):
                     before = rss_mb(api_process.pid)
-                    with RssPeak(api_process.pid) as one:  # what reading one such frame costs, once
-                        flood(relay, 1, size, first_id)
-                        assert relay.socket.ping().wait(120)  # the server has read the frames before this one
                     with RssPeak(api_process.pid) as peak:
-                        flood(relay, count - 1, size, first_id + 1)
-                        assert relay.socket.ping().wait(120)
+                        flood(relay, count, size, first_id)
+                        assert relay.socket.ping().wait(120)  # the server has read the frames before this one
                     after = rss_mb(api_process.pid)
-                    report.append((name, before, one.peak, peak.peak, after))
+                    report.append((name, before, peak.peak, after))
                     print(f"\n{count} x {size // MiB} MiB answers to no call, {name} job's relay: API process "
-                          f"RSS before {before:.0f} MB, peak {one.peak:.0f} MB after the first, {peak.peak:.0f} MB "
-                          f"over all {count}, after {after:.0f} MB")
+                          f"RSS before {before:.0f} MB, peak {peak.peak:.0f} MB, after {after:.0f} MB")
 
                 to_running.socket.send(answer_text(call["id"], "still here"))
                 assert ray.get(in_flight, timeout=60)["body"] == "still here"
@@ -382,11 +380,12 @@ def test_answers_to_no_call_hold_nothing_in_the_api_process(api_process, helpers
         finally:
             for job_id in (running, queued):
                 raw.post(f"/v1/jobs/{job_id}/cancel")
-    for name, before, first, peak, after in report:
-        # Flat: 255 more frames hold nothing more than the first one's reading did (one frame is read
-        # whole, about 3 x its size while it is decoded), and nothing stays.
-        assert peak - max(first, before) < 30, (name, before, first, peak, after)
-        assert first - before < 150 and after - before < 100, (name, before, first, peak, after)
+    for name, before, peak, after in report:
+        # Flat: whatever the count, no more than what reading one frame costs while the next arrives
+        # (a frame's bytes, its text and the next one's bytes: about 3 x 32 MiB; the unbounded route
+        # grew by 2.1 GB over 64 frames), and nothing stays.
+        assert peak - before < 4 * size / MiB, (name, before, peak, after)
+        assert after - before < 100, (name, before, peak, after)
 
 
 def test_the_relay_carries_calls_after_thousands_of_unmatched_and_malformed_frames(api_process, helpers):
