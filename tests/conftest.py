@@ -21,6 +21,14 @@ _HEAVY_IMPORT_BLOCKER = textwrap.dedent(
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files with a test marked ``heavy`` (minutes each) go first. The xdist workers
+    (``--dist loadfile``) take files in this order, so the long ones start early and the two
+    workers end together instead of one running the last long file alone."""
+    heavy = {item.path for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: each file's tests keep their order
+
+
 @pytest.fixture
 def run_without_heavy_packages():
     """``run(code) -> CompletedProcess``: Python code in a subprocess where importing torch,

@@ -14,6 +14,8 @@ from opentinker.client.local_server import local_server
 from opentinker.environments.arithmetic import make_problems
 from opentinker.protocol import JobCreate, JobStatus
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 SMALL = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
          "actor_rollout_ref.rollout.n": 4, "trainer.test_freq": -1}
 

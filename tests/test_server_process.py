@@ -20,7 +20,8 @@ import pytest
 from opentinker.client.local_server import wait_for_health
 from opentinker.server.reaper import descendants
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+              pytest.mark.heavy]  # minutes: scheduled first (tests/conftest.py)
 
 SMALL = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
          "actor_rollout_ref.rollout.n": 2, "trainer.test_freq": -1, "trainer.save_freq": 5,

@@ -19,6 +19,8 @@ import torch
 
 from opentinker.engine.backend import BackendSpec
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 pytest.importorskip("ray")
 
 SCRIPT = Path(__file__).with_name("multi_node_run.py")

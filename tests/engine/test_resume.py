@@ -15,6 +15,8 @@ from opentinker.config import ConfigError, make_config
 from opentinker.engine.model_loading import load_causal_lm
 from opentinker.engine.checkpoints import find_checkpoint
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 CONFIG = [
     "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-4",

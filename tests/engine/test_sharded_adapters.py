@@ -20,6 +20,8 @@ from opentinker.engine.tinker.pass_plan import PassLimits
 from .test_adapter_worker import ADAM as BASE_ADAM
 from .test_adapter_worker import SETTINGS, TINY_BASE, datums
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 ray = pytest.importorskip("ray")
 
 # Two ranks sum gradients in another order than one process. AdamW divides each gradient by

@@ -13,6 +13,8 @@ from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import ModelLoadError
 from opentinker.engine.trainer import RLTrainer
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 FAST = [
     "data.train_batch_size=2",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",

@@ -29,6 +29,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from opentinker.engine.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 # fp32 on both sides; vLLM's CPU kernels sum in another order than torch's sdpa/matmul, which
 # moves logprobs by ~1e-5 here (9e-6 to 1.5e-5 seen). A stale or partial weight moves them by
 # 1e-2 or more, so 2e-4 separates the two with room on both sides.

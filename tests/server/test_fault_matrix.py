@@ -44,9 +44,10 @@ from opentinker.client.local_server import wait_for_health
 from ..environments.openenv_server import OpenEnvServer, free_port, openenv_python
 from ..tcp_proxy import TcpProxy
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kills process groups")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kills process groups"),
+              pytest.mark.heavy]  # minutes: scheduled first (tests/conftest.py)
 
-STEPS = 9
+STEPS = 8
 FAULT_STEPS = {"relay drop": 2, "env restart": 3, "deep answers": 4, "server kill -9": 5, "client kill -9": 6,
                "jobs resume": 7}
 DEEP_STEPS = 2  # deep answers each env gives at step 4: the only episodes a job may lose

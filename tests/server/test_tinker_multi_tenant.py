@@ -16,6 +16,8 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
+
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 TINY = "opentinker-tiny-arith"
 STEPS = 3
