@@ -26,7 +26,6 @@ _QUOTES_AND_BRACKETS = bytes(sorted(set(range(256)) - set(b'"[]{}')))  # what to
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
 
 
-
 class JsonDepth:
     """How deep arrays and objects nest in a JSON text read in pieces of any size; brackets
     inside strings do not count.

@@ -90,8 +90,8 @@ class AgentLoopRunner:
         self._journal(starting)
         try:
             trajectories = await asyncio.gather(*(
-                loop.run(prompt.row.get("prompt"), self.interactions[name], kwargs, iid)
-                for prompt, (name, _, kwargs, iid) in zip(prompts, episodes)))
+                loop.run(prompt.row.get("prompt"), interaction, kwargs, iid)
+                for prompt, (_, interaction, kwargs, iid) in zip(prompts, episodes)))
         finally:
             self._journal({})
         return list(trajectories), [name for name, *_ in episodes]

@@ -96,6 +96,9 @@ class RLTrainer:
         # Set by the driver (the job runner: warning events; a cancel raises) for env outage waits.
         self.on_warning: Callable[[str], None] = _print_warning
         self.check_cancelled: Callable[[], None] = lambda: None
+        # Why a checkpoint due now would not be kept (the server's bounds on checkpoint bytes, which
+        # name the operator's flag), or None: a due checkpoint is then skipped with a warning.
+        self.checkpoint_refusal: Callable[[], str | None] = lambda: None
         self._startup_warnings: list[str] = []  # found while building, said at the first step
 
         self.backend: TrainingBackend = make_backend(
@@ -298,8 +301,10 @@ class RLTrainer:
         if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or done):
             metrics.update(self.validate())
         if save or done or (trainer_cfg.save_freq > 0 and self.global_step % trainer_cfg.save_freq == 0):
-            path = self.save_checkpoint()
-            if path is not None:
+            refusal = self.checkpoint_refusal()
+            if refusal is not None:  # the step is trained and reported all the same
+                self.on_warning(f"checkpoint global_step_{self.global_step} was not saved: {refusal}")
+            elif (path := self.save_checkpoint()) is not None:
                 metrics["checkpoint"] = str(path)
         return metrics
 

@@ -1,17 +1,21 @@
 """What the env-server interactions (gym HTTP, OpenEnv) share: joining a base URL and a path,
 config values checked to a range, how an env's failing answer is described (its status and
-its ``{"error": ...}`` text, never a body it does not understand), and which statuses mean
-"not here right now"."""
+its ``{"error": ...}`` text, never a body it does not understand), an answer's JSON read with
+its depth bound, and which statuses mean "not here right now"."""
 
 from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING, Any
 
+from opentinker.environments.interaction import EnvironmentServerError
+from opentinker.json_limits import JsonTooDeep
+
 if TYPE_CHECKING:
     from opentinker.environments.transport import Answer
 
-__all__ = ["MAX_ERROR_CHARS", "UNAVAILABLE_STATUSES", "bounded", "join_url", "reply_problem", "reply_shape"]
+__all__ = ["MAX_ERROR_CHARS", "UNAVAILABLE_STATUSES", "answer_json", "bounded", "join_url", "reply_problem",
+           "reply_shape"]
 
 MAX_ERROR_CHARS = 300  # of an env's {"error": ...} text quoted in an EnvironmentServerError
 MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
@@ -65,3 +69,14 @@ def reply_problem(answer: Answer) -> str:
             message = message[:MAX_ERROR_CHARS] + "..."
         return f"HTTP {answer.status}: {message}"
     return f"HTTP {answer.status} ({reply_shape(answer)})"
+
+
+def answer_json(url: str, answer: Answer) -> Any:
+    """The answer's body as JSON, or the env's own error naming ``url``: a body that is not JSON,
+    or nests deeper than an env answer may (its shape said, never its text)."""
+    try:
+        return answer.json()
+    except JsonTooDeep as exc:
+        raise EnvironmentServerError(url, f"answer {exc} ({reply_shape(answer)})") from exc
+    except ValueError as exc:
+        raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc

@@ -53,7 +53,7 @@ from tenacity import (
 )
 
 from opentinker.environments.endpoints import EndpointPolicy, normalise_endpoint
-from opentinker.environments.env_replies import UNAVAILABLE_STATUSES, bounded, join_url, reply_problem, reply_shape
+from opentinker.environments.env_replies import UNAVAILABLE_STATUSES, answer_json, bounded, join_url, reply_problem
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
     TRUNCATED,
@@ -66,7 +66,6 @@ from opentinker.environments.interaction import (
 from opentinker.environments.relay import RelayTransport, relay_mode
 from opentinker.environments.templates import checked_template as _checked_template
 from opentinker.environments.transport import BadAnswer, NoAnswer
-from opentinker.json_limits import JsonTooDeep
 
 if TYPE_CHECKING:
     from opentinker.environments.transport import EnvTransport
@@ -325,12 +324,7 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
                                               "(it restarted or expired it)", unreachable=True)
         if answer.status >= 400:
             raise EnvironmentServerError(url, reply_problem(answer))
-        try:
-            return answer.json()
-        except JsonTooDeep as exc:
-            raise EnvironmentServerError(url, f"answer {exc} ({reply_shape(answer)})") from exc
-        except ValueError as exc:
-            raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc
+        return answer_json(url, answer)
 
     async def _post(self, base: str, path: str, body: dict[str, Any], retries: int | None = None) -> Any:
         url = join_url(self._transport.describe(base), path)

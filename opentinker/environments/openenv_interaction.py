@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentinker.environments.env_replies import (
-    MAX_ERROR_CHARS, UNAVAILABLE_STATUSES, bounded, join_url, reply_problem, reply_shape,
+    MAX_ERROR_CHARS, UNAVAILABLE_STATUSES, answer_json, bounded, join_url, reply_problem,
 )
 from opentinker.environments.gym_interaction import RoutedEnvServers, env_route
 from opentinker.environments.interaction import (
@@ -76,7 +76,6 @@ from opentinker.environments.openenv_sessions import (
 )
 from opentinker.environments.templates import checked_template, template_names
 from opentinker.environments.transport import BadAnswer, NoAnswer
-from opentinker.json_limits import JsonTooDeep
 
 if TYPE_CHECKING:
     from opentinker.environments.transport import EnvSession
@@ -264,12 +263,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
             if not 200 <= answer.status < 300:
                 raise EnvironmentServerError(url, f"{reply_problem(answer)}{tries}; is it an OpenEnv server?",
                                              unreachable=answer.status in UNAVAILABLE_STATUSES)
-            try:
-                return answer.json()
-            except JsonTooDeep as exc:
-                raise EnvironmentServerError(url, f"answer {exc} ({reply_shape(answer)})") from exc
-            except ValueError as exc:
-                raise EnvironmentServerError(url, f"invalid JSON in answer ({reply_shape(answer)})") from exc
+            return answer_json(url, answer)
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def _plan_from(self, schema: Any) -> _Plan:

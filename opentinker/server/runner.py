@@ -124,7 +124,7 @@ class JobRunner(RelayDoor):
             # A step waiting out an env outage says so as it waits, and stops for a cancel.
             trainer.on_warning = lambda message: self._emit("log", {"level": "warning", "message": message})
             trainer.check_cancelled = self._raise_if_cancelled
-            trainer.save_checkpoint = self._within_bounds(trainer)
+            trainer.checkpoint_refusal = lambda: self._checkpoint_refusal  # the server's checkpoint bounds
             total = trainer.cfg.trainer.total_training_steps
             self._emit("log", {"message": f"model {self._served_name()} loaded; training {total} steps"})
             with self._between_steps:
@@ -184,21 +184,6 @@ class JobRunner(RelayDoor):
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id, self.relay))
         return RLTrainer(spec, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
                          interactions=interactions or None)
-
-    def _within_bounds(self, trainer: Any):
-        """The trainer's ``save_checkpoint``, skipped with a warning while the server refuses
-        checkpoints (the step is trained and reported all the same)."""
-        save = trainer.save_checkpoint
-
-        def save_checkpoint() -> Path | None:
-            reason = self._checkpoint_refusal
-            if reason is None:
-                return save()
-            self._emit("log", {"level": "warning", "step": trainer.global_step,
-                               "message": f"checkpoint global_step_{trainer.global_step} was not saved: {reason}"})
-            return None
-
-        return save_checkpoint
 
     def _raise_if_cancelled(self) -> None:
         if self._cancel.is_set():
