@@ -56,16 +56,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from opentinker.client.local_http import LocalCallFailed, LocalHTTP
 from opentinker.client.relay_calls import (
-    MAX_QUEUED_BYTES, MAX_QUEUED_CALLS, MAX_SESSIONS, RELAY_FRAME_DEPTH, SESSION_IDLE_S, CallQueue, LocalSession,
-    Refused, SessionTable, Throttled, answer_frame, call_timeout, frame, frame_bytes, shape_problem,
+    MAX_QUEUED_BYTES, MAX_QUEUED_CALLS, MAX_SESSIONS, RELAY_FRAME_DEPTH, SESSION_IDLE_S, CallQueue, LocalEnvCalls,
+    Refused, Throttled, answer_frame, frame, frame_bytes, ws_url,
 )
-from opentinker.client.relay_specs import (
-    HTTP_CALLS, SESSION_MESSAGES, SESSION_PATHS, Route, forget, local_problems, recall, relayed_specs, remember, routes,
-)
+from opentinker.client.relay_specs import forget, local_problems, recall, relayed_specs, remember, routes
 from opentinker.environments.registry import InteractionSpec
-from opentinker.environments.transport import MAX_ANSWER_BYTES
 
 if TYPE_CHECKING:
     from opentinker.client.client import OpenTinkerClient
@@ -83,10 +79,6 @@ _FINAL_CLOSE_CODES = {4401: "the API key was refused", 4403: "client relays are 
 
 class _Final(Exception):
     """The server ended the relay for a reason retrying will not change."""
-
-
-def _ws_url(http_url: str) -> str:
-    return "ws" + http_url[len("http"):]
 
 
 def _backoff(failures: int) -> float:
@@ -118,8 +110,7 @@ class EnvRelay:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
-        self._sessions = SessionTable(max_sessions, session_idle_s)
-        self._http: LocalHTTP | None = None
+        self.env = LocalEnvCalls(self.routes, max_concurrent, max_sessions, session_idle_s)  # the calls it makes
         self._skipped = Throttled("skipped {count} frame(s) from the server that it cannot use")
         self._refusals = Throttled("refused {count} call(s) outside what its specs allow")
 
@@ -194,13 +185,12 @@ class EnvRelay:
         from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
         from websockets.uri import parse_uri
 
-        url = _ws_url(self.client.url(f"/jobs/{self.job_id}/relay"))
+        url = ws_url(self.client.url(f"/jobs/{self.job_id}/relay"))
         try:
             parse_uri(url)
         except (InvalidURI, ValueError) as exc:  # e.g. a port out of range
             self._end(f"bad server URL: {exc}")
             return
-        self._http = LocalHTTP(max_connections=self.max_concurrent, max_body_bytes=MAX_ANSWER_BYTES)
         failures = 0
         try:
             while not self._stopping.is_set():
@@ -220,7 +210,7 @@ class EnvRelay:
                 failures = 1 if self.connections > connections else failures + 1
                 await self._pause(_backoff(failures))
         finally:
-            await self._http.aclose()
+            await self.env.aclose()
 
     async def _pause(self, seconds: float) -> None:
         """Sleep ``seconds``, or less when :meth:`stop` is called meanwhile."""
@@ -247,7 +237,7 @@ class EnvRelay:
         queue = CallQueue()
         answer = functools.partial(self._answer, socket)
         tasks = [asyncio.create_task(queue.serve(answer)) for _ in range(self.max_concurrent)]
-        tasks.append(asyncio.create_task(self._sessions.sweep(self.job_id)))
+        tasks.append(asyncio.create_task(self.env.sessions.sweep(self.job_id)))
         try:
             async for data in socket:
                 await self._take(socket, data, queue)
@@ -260,7 +250,7 @@ class EnvRelay:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._sessions.close()  # the server's sessions end with its connection
+            await self.env.sessions.close()  # the server's sessions end with its connection
         code = socket.close_code
         if code in _FINAL_CLOSE_CODES:
             raise _Final(f"{_FINAL_CLOSE_CODES[code]}: {socket.close_reason}")
@@ -308,7 +298,7 @@ class EnvRelay:
 
     async def _answer(self, socket: Any, call: dict[str, Any]) -> None:
         try:
-            answer = await self._handle(call)
+            answer = await self.env.handle(call)
             self.calls += 1
         except Refused as refused:
             self.refused += 1
@@ -319,89 +309,3 @@ class EnvRelay:
             log.exception("job %s: a relayed call failed", self.job_id)
             answer = {"error": "bad_answer", "detail": f"the client relay failed: {type(exc).__name__}"}
         await self._send(socket, call["id"], answer)
-
-    def _base(self, call: dict[str, Any]) -> tuple[Route, str]:
-        route = self.routes.get(call.get("interaction"))  # type: ignore[arg-type]
-        if route is None:
-            raise Refused(f"interaction {str(call.get('interaction'))[:80]!r} is not relayed by this client")
-        shard = call.get("shard")
-        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(route.shards):
-            raise Refused(f"shard {str(shard)[:20]!r} is not one of its {len(route.shards)} endpoint(s)")
-        return route, route.shards[shard]
-
-    async def _handle(self, call: dict[str, Any]) -> dict[str, Any]:
-        problem = shape_problem(call)
-        if problem is not None:
-            raise Refused(f"a malformed call: {problem}")
-        op = call.get("op")
-        if op == "http":
-            return await self._http_call(call)
-        if op == "ws_open":
-            return await self._open_session(call)
-        if op == "ws_exchange":
-            return await self._exchange(call)
-        if op == "ws_close":
-            session = self._sessions.pop(str(call.get("session")))
-            if session is not None:
-                await session.close()
-            return {"ok": True}
-        raise Refused(f"unknown operation {str(op)[:40]!r}")
-
-    async def _http_call(self, call: dict[str, Any]) -> dict[str, Any]:
-        route, base = self._base(call)
-        method, path = call.get("method"), call.get("path")
-        if (method, path) not in HTTP_CALLS[route.protocol]:
-            raise Refused(f"{str(method)[:10]} /{str(path)[:80]} is not a call of the {route.protocol} protocol")
-        body = call.get("body")
-        if method == "GET" and body is not None:
-            raise Refused("a GET carries no body")
-        timeout = call_timeout(call)
-        assert self._http is not None
-        try:
-            status, content_type, data = await self._http.request(method, base, path, body, timeout)
-        except LocalCallFailed as failed:
-            return {"error": "no_answer" if failed.unreachable else "bad_answer", "detail": str(failed)}
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            return {"error": "bad_answer", "detail": "an answer that is not UTF-8 text"}
-        return {"status": status, "content_type": content_type, "body": text}
-
-    async def _open_session(self, call: dict[str, Any]) -> dict[str, Any]:
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import InvalidStatus, WebSocketException
-
-        route, base = self._base(call)
-        path = call.get("path")
-        if path not in SESSION_PATHS.get(route.protocol, ()):
-            raise Refused(f"a session on /{str(path)[:80]} is not part of the {route.protocol} protocol")
-        session_id = call.get("session")
-        if not isinstance(session_id, str) or not 0 < len(session_id) <= 200:
-            raise Refused("a session needs a new id (a string of at most 200 characters)")
-        timeout = call_timeout(call)
-        self._sessions.reserve(session_id)  # before connecting: concurrent opens never pass the limit
-        session = None
-        try:
-            session = LocalSession(await connect(f"{_ws_url(base)}/{path}", max_size=MAX_ANSWER_BYTES,
-                                                  compression=None, open_timeout=timeout, proxy=None))
-        except InvalidStatus as exc:
-            status = exc.response.status_code
-            return {"error": "no_answer" if status in (502, 503, 504) else "bad_answer",
-                    "detail": f"WebSocket handshake answered HTTP {status}"}
-        except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException) as exc:
-            return {"error": "no_answer", "detail": f"{type(exc).__name__}: {exc or 'connection failed'}"}
-        finally:
-            self._sessions.settle(session_id, session)
-        return {"ok": True}
-
-    async def _exchange(self, call: dict[str, Any]) -> dict[str, Any]:
-        message = call.get("message")
-        kind = message.get("type") if isinstance(message, dict) else None
-        if not isinstance(kind, str) or kind not in SESSION_MESSAGES:
-            raise Refused(f"session messages are {', '.join(sorted(SESSION_MESSAGES))}")
-        timeout = call_timeout(call)
-        session = self._sessions.get(str(call.get("session")))
-        if session is None:
-            return {"error": "no_answer", "detail": "no such env session (it was closed, idle for over "
-                    f"{self._sessions.idle_s:g}s, or the relay reconnected)"}
-        return await session.exchange(message, timeout)  # type: ignore[arg-type]

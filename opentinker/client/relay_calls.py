@@ -1,11 +1,12 @@
-"""The calls and env sessions of one client relay connection, on the user's machine.
+"""The calls and env sessions of one client relay, on the user's machine.
 
 A frame from the server is read with a depth bound (:func:`frame`); a call waits in a bounded
 :class:`CallQueue` for one of the relay's workers; OpenEnv sessions live in a
 :class:`SessionTable` (a slot reserved before connecting, idle ones closed), each a
 :class:`LocalSession` that makes one exchange at a time. :class:`Refused` is a call outside what
-the user configured (answered ``refused``); :class:`Throttled` keeps a flood of one kind of
-warning to a line every few seconds.
+the user configured (answered ``refused``); :class:`LocalEnvCalls` makes a call to the env,
+refusing any its specs do not allow; :class:`Throttled` keeps a flood of one kind of warning
+to a line every few seconds.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from opentinker.client.local_http import LocalCallFailed, LocalHTTP
+from opentinker.client.relay_specs import HTTP_CALLS, SESSION_MESSAGES, SESSION_PATHS, Route
 from opentinker.environments.transport import MAX_ANSWER_BYTES
 from opentinker.json_limits import MAX_ENV_JSON_DEPTH, JsonTooDeep, loads_bounded
 
 __all__ = ["MAX_QUEUED_BYTES", "MAX_QUEUED_CALLS", "MAX_SESSIONS", "RELAY_FRAME_DEPTH", "SESSION_IDLE_S", "CallQueue",
-           "LocalSession", "Refused", "SessionTable", "Throttled", "answer_frame", "call_timeout", "frame",
-           "frame_bytes", "shape_problem"]
+           "LocalEnvCalls", "LocalSession", "Refused", "SessionTable", "Throttled", "answer_frame", "call_timeout",
+           "frame", "frame_bytes", "shape_problem", "ws_url"]
 
 log = logging.getLogger("opentinker.client.relay")
 
@@ -39,6 +42,11 @@ LOG_INTERVAL_S = 5.0  # at most one line per this long about skipped frames, and
 #: The types a call's fields must have when present (the rest are checked where they are used).
 _CALL_FIELDS: dict[str, type] = {"op": str, "interaction": str, "method": str, "path": str, "session": str,
                                  "message": dict}
+
+
+def ws_url(http_url: str) -> str:
+    """``http(s)://...`` as ``ws(s)://...``."""
+    return "ws" + http_url[len("http"):]
 
 
 class Refused(Exception):
@@ -264,3 +272,105 @@ class SessionTable:
         sessions = list(self._open.values())
         self._open.clear()
         await _close_all(sessions)
+
+
+class LocalEnvCalls:
+    """The calls a relay carries, made to the env on this machine: a call names an interaction
+    and a shard, which ``routes`` (from the user's own specs) map to an endpoint, and is
+    :class:`Refused` unless that protocol has it. Local HTTP on :class:`LocalHTTP` (at most
+    ``max_concurrent`` connections per endpoint); OpenEnv sessions in a :class:`SessionTable`."""
+
+    def __init__(self, routes: dict[str, Route], max_concurrent: int, max_sessions: int = MAX_SESSIONS,
+                 session_idle_s: float = SESSION_IDLE_S):
+        self.routes = routes
+        self.http = LocalHTTP(max_connections=max_concurrent, max_body_bytes=MAX_ANSWER_BYTES)
+        self.sessions = SessionTable(max_sessions, session_idle_s)
+
+    async def aclose(self) -> None:
+        await self.sessions.close()
+        await self.http.aclose()
+
+    def _route(self, call: dict[str, Any]) -> tuple[Route, str]:
+        route = self.routes.get(call.get("interaction"))  # type: ignore[arg-type]
+        if route is None:
+            raise Refused(f"interaction {str(call.get('interaction'))[:80]!r} is not relayed by this client")
+        shard = call.get("shard")
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(route.shards):
+            raise Refused(f"shard {str(shard)[:20]!r} is not one of its {len(route.shards)} endpoint(s)")
+        return route, route.shards[shard]
+
+    async def handle(self, call: dict[str, Any]) -> dict[str, Any]:
+        problem = shape_problem(call)
+        if problem is not None:
+            raise Refused(f"a malformed call: {problem}")
+        op = call.get("op")
+        if op == "http":
+            return await self._http_call(call)
+        if op == "ws_open":
+            return await self._open_session(call)
+        if op == "ws_exchange":
+            return await self._exchange(call)
+        if op == "ws_close":
+            session = self.sessions.pop(str(call.get("session")))
+            if session is not None:
+                await session.close()
+            return {"ok": True}
+        raise Refused(f"unknown operation {str(op)[:40]!r}")
+
+    async def _http_call(self, call: dict[str, Any]) -> dict[str, Any]:
+        route, base = self._route(call)
+        method, path = call.get("method"), call.get("path")
+        if (method, path) not in HTTP_CALLS[route.protocol]:
+            raise Refused(f"{str(method)[:10]} /{str(path)[:80]} is not a call of the {route.protocol} protocol")
+        body = call.get("body")
+        if method == "GET" and body is not None:
+            raise Refused("a GET carries no body")
+        timeout = call_timeout(call)
+        try:
+            status, content_type, data = await self.http.request(method, base, path, body, timeout)
+        except LocalCallFailed as failed:
+            return {"error": "no_answer" if failed.unreachable else "bad_answer", "detail": str(failed)}
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return {"error": "bad_answer", "detail": "an answer that is not UTF-8 text"}
+        return {"status": status, "content_type": content_type, "body": text}
+
+    async def _open_session(self, call: dict[str, Any]) -> dict[str, Any]:
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import InvalidStatus, WebSocketException
+
+        route, base = self._route(call)
+        path = call.get("path")
+        if path not in SESSION_PATHS.get(route.protocol, ()):
+            raise Refused(f"a session on /{str(path)[:80]} is not part of the {route.protocol} protocol")
+        session_id = call.get("session")
+        if not isinstance(session_id, str) or not 0 < len(session_id) <= 200:
+            raise Refused("a session needs a new id (a string of at most 200 characters)")
+        timeout = call_timeout(call)
+        self.sessions.reserve(session_id)  # before connecting: concurrent opens never pass the limit
+        session = None
+        try:
+            session = LocalSession(await connect(f"{ws_url(base)}/{path}", max_size=MAX_ANSWER_BYTES,
+                                                  compression=None, open_timeout=timeout, proxy=None))
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            return {"error": "no_answer" if status in (502, 503, 504) else "bad_answer",
+                    "detail": f"WebSocket handshake answered HTTP {status}"}
+        except (OSError, asyncio.TimeoutError, TimeoutError, WebSocketException) as exc:
+            return {"error": "no_answer", "detail": f"{type(exc).__name__}: {exc or 'connection failed'}"}
+        finally:
+            self.sessions.settle(session_id, session)
+        return {"ok": True}
+
+    async def _exchange(self, call: dict[str, Any]) -> dict[str, Any]:
+        message = call.get("message")
+        kind = message.get("type") if isinstance(message, dict) else None
+        if not isinstance(kind, str) or kind not in SESSION_MESSAGES:
+            raise Refused(f"session messages are {', '.join(sorted(SESSION_MESSAGES))}")
+        timeout = call_timeout(call)
+        session = self.sessions.get(str(call.get("session")))
+        if session is None:
+            return {"error": "no_answer", "detail": "no such env session (it was closed, idle for over "
+                    f"{self.sessions.idle_s:g}s, or the relay reconnected)"}
+        return await session.exchange(message, timeout)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentinker.protocol import CHECKPOINT_NAME_PATTERN
 
@@ -147,3 +147,18 @@ class JobCheckpointCaps:
                 self.store.forget_checkpoint(job_id, name)
             return size, str(refused)
         return size, None
+
+    def landed(self, user_id: int, job_id: str, event: dict[str, Any], pending: int = 0
+               ) -> tuple[dict[str, Any], int | None]:
+        """A runner's ``checkpoint`` event, and the checkpoint's measured size (None: it names no
+        folder to measure): with that size (to be indexed) when it fits the bounds (:meth:`land`),
+        else, its folder deleted, a warning ``log`` event saying why."""
+        data = event["data"]
+        name, step = data.get("name"), data.get("step")
+        if not isinstance(name, str) or not data.get("path"):
+            return event, None  # not indexed (the store's rule): nothing on disk to count
+        size, refusal = self.land(user_id, job_id, name, pending)
+        if refusal is None:
+            return {**event, "data": {**data, "size_bytes": size}}, size
+        return {"type": "log", "data": {"level": "warning", "step": step,
+                                        "message": f"checkpoint {name} (step {step}) was not kept: {refusal}"}}, size

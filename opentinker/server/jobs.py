@@ -388,7 +388,8 @@ class JobManager:
             if event["type"] == "error":
                 event["data"] = self.redaction.published_error(active.job_id, event["data"])
             elif event["type"] == "checkpoint":
-                events[i] = self._checkpoint_event(active, event, kept)
+                events[i], size = self.checkpoints.landed(active.user_id, active.job_id, event, kept)
+                active.checkpoint_bytes = size or active.checkpoint_bytes
                 kept += events[i]["data"].get("size_bytes") or 0
         self.store.append_runner_events(active.job_id, events)
         for event in events:
@@ -396,20 +397,6 @@ class JobManager:
             if event["type"] == "progress" and isinstance(step, int):
                 active.trained_step = max(active.trained_step, step)
                 active.last_activity = time.monotonic()
-
-    def _checkpoint_event(self, active: _ActiveJob, event: dict[str, Any], pending: int) -> dict[str, Any]:
-        """A checkpoint the runner wrote, measured: with its size (to be indexed) when it fits
-        the server's checkpoint bounds, else (its folder deleted) a warning saying why."""
-        data = event["data"]
-        name, step = data.get("name"), data.get("step")
-        if not isinstance(name, str) or not data.get("path"):
-            return event  # not indexed (the store's rule): nothing on disk to count
-        size, refusal = self.checkpoints.land(active.user_id, active.job_id, name, pending)
-        active.checkpoint_bytes = size or active.checkpoint_bytes
-        if refusal is None:
-            return {**event, "data": {**data, "size_bytes": size}}
-        return {"type": "log", "data": {"level": "warning", "step": step,
-                                        "message": f"checkpoint {name} (step {step}) was not kept: {refusal}"}}
 
     async def _tell_checkpoint_room(self, active: _ActiveJob) -> None:
         """Tell a runner with ``refuse_checkpoints`` whether its next checkpoint would be kept,

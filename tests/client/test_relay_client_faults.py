@@ -518,18 +518,18 @@ def test_capacity_reached_comes_through_the_relay(tmp_path):
         async def main() -> dict[str, dict[str, Any]]:
             relay = EnvRelay(OpenTinkerClient("http://127.0.0.1:9", "ot-fake"), "J", [spec])
             try:
-                assert await relay._handle(ws_open("first")) == {"ok": True}
-                first = await relay._handle(ws_exchange("first", seed=1))
+                assert await relay.env.handle(ws_open("first")) == {"ok": True}
+                first = await relay.env.handle(ws_exchange("first", seed=1))
                 assert first["message"]["type"] == "observation", first
-                assert await relay._handle(ws_open("racing")) == {"ok": True}
-                racing = await relay._handle(ws_exchange("racing", seed=2))  # the close may come first or not
-                assert await relay._handle(ws_open("closed")) == {"ok": True}
-                await asyncio.wait_for(relay._sessions.get("closed").socket.wait_closed(), WAIT_S)
-                closed = await relay._handle(ws_exchange("closed", seed=3))  # sent on a closed connection
-                after = await relay._handle(ws_exchange("closed", seed=3))
+                assert await relay.env.handle(ws_open("racing")) == {"ok": True}
+                racing = await relay.env.handle(ws_exchange("racing", seed=2))  # the close may come first or not
+                assert await relay.env.handle(ws_open("closed")) == {"ok": True}
+                await asyncio.wait_for(relay.env.sessions.get("closed").socket.wait_closed(), WAIT_S)
+                closed = await relay.env.handle(ws_exchange("closed", seed=3))  # sent on a closed connection
+                after = await relay.env.handle(ws_exchange("closed", seed=3))
                 return {"racing": racing, "closed": closed, "after": after}
             finally:
-                await relay._sessions.close()
+                await relay.env.sessions.close()
 
         answers = asyncio.run(main())
     for name in ("racing", "closed"):
