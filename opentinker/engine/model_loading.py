@@ -19,11 +19,22 @@ class ModelLoadError(ValueError):
 
 
 def resolve_model_path(path: str | None) -> str:
-    """``None`` means the embedded tiny model (the folder shipped in the package)."""
+    """The Hugging Face folder (or hub name) to load: ``None`` is the embedded tiny model (the
+    folder shipped in the package), a preset name (``smollm2-135m-instruct``) or a ``.gguf``
+    file is converted once into a folder in the cache (:mod:`opentinker.pretrained`)."""
     if path is None:
         from opentinker.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    from opentinker.pretrained import PretrainedModelError
+    from opentinker.pretrained.convert import converted_folder
+
+    try:
+        converted = converted_folder(str(path))
+    except PretrainedModelError as error:
+        raise ModelLoadError(f"actor_rollout_ref.model.path: {error}") from error
+    if converted is not None:
+        return str(converted)
     expanded = os.path.expanduser(str(path))
     looks_local = expanded.startswith((".", "/", "~")) or os.sep in expanded and os.path.exists(
         expanded.split(os.sep)[0]
@@ -31,8 +42,8 @@ def resolve_model_path(path: str | None) -> str:
     if looks_local and not Path(expanded).exists():
         raise ModelLoadError(
             f"actor_rollout_ref.model.path: the folder '{path}' does not exist "
-            "(give a local Hugging Face model folder, a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', "
-            "or leave it unset for the embedded tiny model)"
+            "(give a local Hugging Face model folder, a .gguf file, a preset such as 'smollm2-135m-instruct', "
+            "a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or leave it unset for the embedded tiny model)"
         )
     if Path(expanded).exists() and not (Path(expanded) / "config.json").exists():
         raise ModelLoadError(f"actor_rollout_ref.model.path: '{path}' has no config.json, so it is not a model folder")

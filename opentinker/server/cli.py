@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let a local Ray listen on every interface (default: loopback only)")
     operator = serve.add_argument_group("what jobs may use (nothing else is reachable from a job)")
     operator.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
-                          help="serve this model (a local folder or hub name) under NAME (default: the path); "
+                          help="serve this model (a local folder, a .gguf file, a preset such as smollm2-135m-instruct, "
+                          "or a hub name) under NAME (default: the path); "
                           "repeatable; the first is the default; the embedded tiny model is always served")
     operator.add_argument("--trust-remote-code", action="append", default=[], metavar="NAME",
                           help="let the served model NAME run the code in its folder (repeatable)")
@@ -309,6 +310,24 @@ def _parse_limits(items: Sequence[str]) -> dict[str, float]:
     return limits
 
 
+def prepare_served_models(models) -> None:
+    """Convert the served presets and GGUF files into Hugging Face folders now (once; cached),
+    so a missing package or an unreadable file stops the server with the reason at start, not
+    the first job; PretrainedModelError (a ValueError) names the model and the fix."""
+    from opentinker.pretrained import PretrainedModelError
+    from opentinker.pretrained.convert import converted_folder
+
+    for model in models:
+        if model.path is None:
+            continue
+        try:
+            folder = converted_folder(model.path)
+        except PretrainedModelError as error:
+            raise PretrainedModelError(f"--model {model.name}: {error}") from error
+        if folder is not None:
+            logging.getLogger("opentinker.server").info("serving %s from %s", model.name, folder)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -373,6 +392,7 @@ def _serve(args: argparse.Namespace) -> int:
             serve_max_models=args.serve_max_models,
             serve_max_tokens=args.serve_max_tokens,
         )
+        prepare_served_models(settings.job_policy.models)
         app = create_app(settings)
     except ValueError as exc:
         return _fail(str(exc))

@@ -45,6 +45,15 @@ def model_folder(model: ServedModel) -> Path | None:
         from opentinker.tiny import tiny_model_dir  # no torch: the shipped folder
 
         return tiny_model_dir()
+    from opentinker.pretrained import PretrainedModelError
+    from opentinker.pretrained.convert import converted_folder
+
+    try:  # a preset or a .gguf file: its conversion (made when the server started)
+        converted = converted_folder(model.path, convert=False)
+    except PretrainedModelError:
+        return None
+    if converted is not None:
+        return converted
     local = Path(os.path.expanduser(model.path))
     if local.is_dir():
         return local
