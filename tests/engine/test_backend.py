@@ -144,7 +144,8 @@ def test_packed_rows_give_the_padded_rows_loss_and_gradients(make_backend, group
     plain = packing.packed_attention
 
     def spy(module, query, key, value, attention_mask, **kwargs):
-        seen.append((kwargs.get("cu_seq_lens_q") is not None, attention_mask is None))
+        # No [T, T] mask over the packed row: at most the one-element placeholder (unused_mask).
+        seen.append((kwargs.get("cu_seq_lens_q") is not None, attention_mask is None or attention_mask.numel() == 1))
         return plain(module, query, key, value, attention_mask, **kwargs)
 
     monkeypatch.setattr(packing, "packed_attention", spy)

@@ -19,9 +19,14 @@ import torch
 import torch.nn.functional as F
 
 NAME = "opentinker_packed"
-#: ``attention_mask`` for a packed call: every layer type's mask given (as none), so transformers
-#: builds no [T, T] mask; the sequences' boundaries replace it.
-NO_MASKS = {"full_attention": None, "sliding_attention": None}
+
+
+def unused_mask(device: torch.device | str = "cpu") -> torch.Tensor:
+    """An ``attention_mask`` for a call whose attention takes its layout from elsewhere (the
+    sequences' boundaries, a decode slot's lengths): transformers hands a 4-D mask to the
+    layers as it is, for every model (a per-layer-type mapping is not: Llama's forward
+    builds its mask from anything else), so no [T, T] mask is built; the attention ignores it."""
+    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -84,5 +89,5 @@ def packed_call_kwargs(model: torch.nn.Module, position_ids: torch.Tensor,
     cu = torch.cat([torch.nonzero(flat == 0).reshape(-1), torch.tensor([flat.numel()])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     cu = cu.to(device)
-    return {"attention_mask": NO_MASKS, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+    return {"attention_mask": unused_mask(device), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
             "max_length_k": longest}

@@ -76,7 +76,8 @@ class _ColumnWriter:
 def _step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
           keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     cache = _ColumnWriter(keys, values, mask.shape[-1])
-    return model(input_ids=input_ids, position_ids=position_ids, attention_mask={"full_attention": mask},
+    # A 4-D mask goes to the layers as it is, whatever the model (see unused_mask).
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                  past_key_values=cache, use_cache=True).logits[:, -1, :]
 
 

@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from opentinker.engine.backend.packed_attention import unused_mask
 from opentinker.engine.rollout.base import Completion, SamplingParams
 from opentinker.engine.rollout.compiled_decode import can_compile
 from opentinker.engine.rollout.decode_batch import check_requests, prefill_distinct
@@ -65,8 +66,9 @@ def row_buckets(most: int) -> list[int]:
 
 @dataclass
 class SlotView:
-    """What a slot step hands each layer as its "attention mask": the rows' lengths before
-    this step's token (the column it is written to), and how the keys are read."""
+    """What a slot step hands each layer (as the ``slot_view`` keyword, which transformers
+    passes through to attention): the rows' lengths before this step's token (the column it
+    is written to), and how the keys are read."""
 
     lengths: torch.Tensor  # [rows] int64, a view of the pool's
     used: torch.Tensor  # [rows] int32: lengths + 1, the keys each row attends to
@@ -77,13 +79,15 @@ class SlotView:
 
 
 def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any):
+                   attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                   slot_view: SlotView | None = None, **kwargs: Any):
     """In a slot step, ``key``/``value`` are a layer's ``[rows, columns, kv_heads, D]`` buffers
-    and ``query`` is ``[rows, heads, 1, D]``; returns ``[rows, 1, heads, D]``."""
-    if not isinstance(attention_mask, SlotView):
+    and ``query`` is ``[rows, heads, 1, D]``; returns ``[rows, 1, heads, D]``. Any other call
+    (the prefill) is sdpa."""
+    if slot_view is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    view, rows = attention_mask, query.shape[0]
+    view, rows = slot_view, query.shape[0]
     gqa = query.shape[1] != key.shape[2]
     if view.varlen:
         from torch.nn.attention.varlen import varlen_attn
@@ -190,6 +194,7 @@ class SlotDecoder:
         self.graph_error: str | None = None  # why capturing failed, if it did
         self.varlen = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) and _varlen_works(
             self.device, self.dtype)
+        self.unused_mask = unused_mask(self.device)  # one tensor: a captured graph keeps reading it
         self.pool: SlotPool | None = None
         self._graphs: dict[tuple[int, bool], Any] = {}
         self._graph_pool = None
@@ -215,7 +220,7 @@ class SlotDecoder:
                         columns, self.varlen)
         writer = _SlotWriter(pool.keys, pool.values, index, lengths)
         out = self.model(input_ids=chosen.unsqueeze(-1), position_ids=lengths.unsqueeze(-1),
-                         attention_mask={"full_attention": view}, past_key_values=writer, use_cache=True)
+                         attention_mask=self.unused_mask, slot_view=view, past_key_values=writer, use_cache=True)
         pool.logits[:rows] = out.logits[:, -1, :]
         lengths += active
 
