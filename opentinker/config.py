@@ -281,7 +281,7 @@ TYPES: dict[str, type] = {
 #: the engine add the names registered there (``register_choice``), so a custom advantage
 #: estimator or policy loss registered in-process is a valid value too.
 CHOICES: dict[str, list[str]] = {
-    "data.task": ["arithmetic"],
+    "data.task": ["arithmetic", "word_problems"],
     "actor_rollout_ref.actor.strategy": ["local", "fsdp"],
     "actor_rollout_ref.actor.policy_loss": ["vanilla", "gspo", "cispo"],
     "actor_rollout_ref.actor.loss_agg_mode": [

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from opentinker.environments import arithmetic
+from opentinker.environments import arithmetic, word_problems
 
 RewardFn = Callable[[str, dict[str, Any]], float]
 """``reward_fn(response_text, row) -> float``: scores one response to a dataset row."""
@@ -115,11 +115,20 @@ def arithmetic_reward(response: str, row: dict[str, Any]) -> float:
     return arithmetic.score_answer(response, row["reward_model"]["ground_truth"])
 
 
+def word_problems_reward(response: str, row: dict[str, Any]) -> float:
+    return word_problems.score_answer(response, row["reward_model"]["ground_truth"])
+
+
 BUILTIN_TASKS: dict[str, Callable[[int, int], tuple[list[dict], list[dict], RewardFn]]] = {
     "arithmetic": lambda train_count, val_count: (
         [p.as_row() for p in arithmetic.make_problems(train_count, arithmetic.TRAIN_SEED, "train")],
         [p.as_row() for p in arithmetic.make_problems(val_count, arithmetic.HELDOUT_SEED, "heldout")],
         arithmetic_reward,
+    ),
+    "word_problems": lambda train_count, val_count: (
+        [p.as_row() for p in word_problems.make_problems(train_count, word_problems.TRAIN_SEED, "train")],
+        [p.as_row() for p in word_problems.make_problems(val_count, word_problems.HELDOUT_SEED, "heldout")],
+        word_problems_reward,
     ),
 }
 

@@ -80,7 +80,7 @@ def row_problem(row: dict) -> str | None:
     ``reward_model.ground_truth``, an integer (or its text)."""
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        return "needs 'reward_model': {'ground_truth': <the integer answer>} (the arithmetic task scores by it)"
+        return "needs 'reward_model': {'ground_truth': <the integer answer>} (the task scores by it)"
     truth = reward_model["ground_truth"]
     if isinstance(truth, bool) or not (isinstance(truth, int) or isinstance(truth, str) and _INTEGER.fullmatch(truth)):
         return f"'reward_model.ground_truth' must be an integer or its text, got {type(truth).__name__}"

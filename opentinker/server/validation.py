@@ -7,7 +7,7 @@ The shape of a row (its prompt, or a data-free row naming one of the job's inter
 ``opentinker/rows.py``'s, which the client applies too. Then:
 
 - without interactions the job's built-in task scores the row, so the task's own row check
-  applies (arithmetic: ``reward_model.ground_truth`` is an integer);
+  applies (arithmetic, word_problems: ``reward_model.ground_truth`` is an integer);
 - with interactions the picked interaction class's ``row_problem`` check applies, if it has one;
 - the prompt, rendered with the served model's chat template, must fit
   ``data.max_prompt_length`` tokens (checked with the model's tokenizer, off the event loop).
@@ -20,12 +20,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.environments import arithmetic
+from opentinker.environments import arithmetic, word_problems
 from opentinker.rows import interaction_kwargs, row_shape_problem
 from opentinker.server.policy import JobPolicy
 
 #: Row checks of the built-in tasks (``data.task``), which score rows when a job has no interactions.
-TASK_ROW_CHECKS: dict[str, Callable[[dict], str | None]] = {"arithmetic": arithmetic.row_problem}
+TASK_ROW_CHECKS: dict[str, Callable[[dict], str | None]] = {
+    "arithmetic": arithmetic.row_problem,
+    "word_problems": word_problems.row_problem,
+}
 
 
 @dataclass

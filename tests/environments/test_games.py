@@ -14,7 +14,13 @@ import httpx
 import pytest
 
 from opentinker.environments.arithmetic import make_problems
-from opentinker.environments.games import BUILTIN_ENVIRONMENTS, ArithmeticEnv, CalculatorEnv, GuessNumberEnv
+from opentinker.environments.games import (
+    BUILTIN_ENVIRONMENTS,
+    ArithmeticEnv,
+    CalculatorEnv,
+    GuessNumberEnv,
+    WordProblemsEnv,
+)
 from opentinker.environments.games.calculator_env import CalcError, make_word_problem, safe_calc
 from opentinker.environments.server import running_env_server
 
@@ -26,6 +32,7 @@ def test_builtin_registry():
         "guess_number": GuessNumberEnv,
         "arithmetic": ArithmeticEnv,
         "calculator": CalculatorEnv,
+        "word_problems": WordProblemsEnv,
     }
 
 

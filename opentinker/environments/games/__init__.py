@@ -7,11 +7,13 @@ Importing this package needs neither torch nor fastapi.
 from opentinker.environments.games.arithmetic_env import ArithmeticEnv
 from opentinker.environments.games.calculator_env import CalculatorEnv
 from opentinker.environments.games.guess_number import GuessNumberEnv
+from opentinker.environments.games.word_problems_env import WordProblemsEnv
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "guess_number": GuessNumberEnv,
     "arithmetic": ArithmeticEnv,
     "calculator": CalculatorEnv,
+    "word_problems": WordProblemsEnv,
 }
 
-__all__ = ["ArithmeticEnv", "BUILTIN_ENVIRONMENTS", "CalculatorEnv", "GuessNumberEnv"]
+__all__ = ["ArithmeticEnv", "BUILTIN_ENVIRONMENTS", "CalculatorEnv", "GuessNumberEnv", "WordProblemsEnv"]
