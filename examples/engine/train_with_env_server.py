@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args()
 
-    multi_turn = args.env != "arithmetic"
+    multi_turn = args.env not in ("arithmetic", "word_problems")  # the single-turn ones
     with running_env_server(BUILTIN_ENVIRONMENTS[args.env]) as urls:
         print(f"{args.env} environment server at {urls[0]}")
         cfg = make_config([

@@ -71,8 +71,10 @@ def wait_for_health(url: str, process: subprocess.Popen, log_path: Path, timeout
 
 
 @contextlib.contextmanager
-def local_server(data_dir: str | Path | None = None, port: int | None = None) -> Iterator[tuple[str, str]]:
-    """Yields ``(base_url, api_key)`` of a freshly started local server; stops it on exit."""
+def local_server(data_dir: str | Path | None = None, port: int | None = None,
+                 models: list[str] | None = None) -> Iterator[tuple[str, str]]:
+    """Yields ``(base_url, api_key)`` of a freshly started local server serving ``models``
+    (``--model`` values; the first is the default) beside the tiny model; stops it on exit."""
     data = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="opentinker-server-"))
     data.mkdir(parents=True, exist_ok=True)
     if USER not in _server_cli("admin", "list-users", "--data-dir", str(data)).split():
@@ -89,7 +91,8 @@ def local_server(data_dir: str | Path | None = None, port: int | None = None) ->
             [sys.executable, "-m", "opentinker.server.cli", "serve", "--host", "127.0.0.1",
              "--port", url.rsplit(":", 1)[1], "--data-dir", str(data),
              # A personal server: its jobs may use env servers on this machine (the examples start some).
-             "--allow-env-host", "127.0.0.1", "--allow-env-host", "localhost"],
+             "--allow-env-host", "127.0.0.1", "--allow-env-host", "localhost",
+             *(arg for model in models or () for arg in ("--model", model))],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
@@ -105,11 +108,12 @@ def local_server(data_dir: str | Path | None = None, port: int | None = None) ->
 
 
 @contextlib.contextmanager
-def connect_or_start_local() -> Iterator[OpenTinkerClient]:
-    """A client for ``OPENTINKER_BASE_URL`` when set, else for a local server started here."""
+def connect_or_start_local(models: list[str] | None = None) -> Iterator[OpenTinkerClient]:
+    """A client for ``OPENTINKER_BASE_URL`` when set, else for a local server started here
+    (serving ``models`` beside the tiny model)."""
     if os.environ.get("OPENTINKER_BASE_URL"):
         with OpenTinkerClient() as client:
             yield client
         return
-    with local_server() as (url, api_key), OpenTinkerClient(url, api_key) as client:
+    with local_server(models=models) as (url, api_key), OpenTinkerClient(url, api_key) as client:
         yield client

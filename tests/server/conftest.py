@@ -196,7 +196,9 @@ def test_settings(data_dir: Path, **overrides: Any) -> ServerSettings:
         event_poll_s=0.05,
         cancel_grace_s=5.0,
         endpoint_check_timeout_s=2.0,
-        runner_call_timeout_s=3.0,  # a runner busy loading its model on a loaded machine still answers
+        # The product's default: an actor still starting on a loaded 2-core machine (CI, with
+        # the other xdist worker busy) took over 3 s to answer its first call.
+        runner_call_timeout_s=10.0,
         env_hosts=["127.0.0.1"],  # the tests' env servers run on loopback
         max_running_jobs_per_user=100,  # the quota tests set their own
         max_queued_jobs_per_user=100,

@@ -48,10 +48,13 @@ def test_a_request_failing_on_the_servers_side_names_an_error_id_whose_trace_is_
     live = start_server(tmp_path / "data", models=[f"broken={broken}"])
     key = helpers.make_user(tmp_path / "data", "newcomer")
     service = tinker.ServiceClient(base_url=live.url, api_key="tml-" + key)
-    with caplog.at_level("WARNING", logger="opentinker.server.tinker"):
-        # The README's first lines, with the broken model.
-        with pytest.raises(Exception) as failed:
-            service.create_lora_training_client(base_model="broken", rank=8).result()
+    try:
+        with caplog.at_level("WARNING", logger="opentinker.server.tinker"):
+            # The README's first lines, with the broken model.
+            with pytest.raises(Exception) as failed:
+                service.create_lora_training_client(base_model="broken", rank=8).result()
+    finally:  # ends its session's heartbeats, which would go on warning after the server stops
+        service.close("success").result()
     message = str(failed.value)
     found = ERROR_ID.search(message)
     assert found, message
