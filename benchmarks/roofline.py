@@ -163,11 +163,12 @@ def matmul_shares(shape: Shape, prompt: float, response: float, turns: int = 5) 
 
 
 # -- the run ------------------------------------------------------------------------------------
-def timed_run(steps: int, tokens: int, compile_decode: bool) -> list[dict]:
+def timed_run(steps: int, tokens: int, compile_decode: bool, model: str | None = None) -> list[dict]:
     from opentinker.config import make_config
     from opentinker.engine.trainer import RLTrainer
 
     overrides = [
+        *([f"actor_rollout_ref.model.path={model}"] if model else []),
         f"data.train_batch_size={PROMPTS}", "data.shuffle=false", f"data.max_response_length={tokens}",
         f"actor_rollout_ref.rollout.n={SAMPLES}", "actor_rollout_ref.rollout.ignore_eos=true",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
@@ -279,8 +280,6 @@ def interleaved(first, second, repeats: int) -> tuple[float, float]:
 def main() -> None:
     from transformers import AutoConfig
 
-    from opentinker.tiny import ensure_tiny_model
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per response (forced)")
@@ -289,12 +288,16 @@ def main() -> None:
     parser.add_argument("--eager-decode", action="store_true", help="rollout.compile_decode=false")
     parser.add_argument("--compare-with", metavar="REV", help="also time the Tinker step through REV's server")
     parser.add_argument("--repeats", type=int, default=10, help="Tinker calls timed per kind (the median is shown)")
+    parser.add_argument("--model", default=None,
+                        help="a model folder, .gguf file or preset, e.g. smollm2-135m-instruct (default: the tiny model)")
     args = parser.parse_args()
     if args.only_tinker:
         tinker_overhead(repeats=args.repeats, compare_with=args.compare_with)
         return
     torch.manual_seed(0)
-    shape = Shape(AutoConfig.from_pretrained(str(ensure_tiny_model())))
+    from opentinker.engine.model_loading import resolve_model_path
+
+    shape = Shape(AutoConfig.from_pretrained(resolve_model_path(args.model)))
     threads = torch.get_num_threads()
     peak = matmul_rate(2048, 2048, 2048)
     decode_shape = matmul_rate(PROMPTS * SAMPLES, shape.hidden, 4 * shape.hidden)
@@ -304,7 +307,7 @@ def main() -> None:
           f"shapes {decode_shape / 1e9:.0f} (64 x {shape.hidden} x {4 * shape.hidden}, a decode step) and "
           f"{update_shape / 1e9:.0f} (4096 rows, an update); copy {bandwidth / 1e9:.1f} GB/s", flush=True)
 
-    first, *history = timed_run(args.steps, args.tokens, not args.eager_decode)
+    first, *history = timed_run(args.steps, args.tokens, not args.eager_decode, args.model)
     prompt = statistics.mean(h["prompt_length/mean"] for h in history)
     response = statistics.mean(h["response_length/mean"] for h in history)
     costs = phase_costs(shape, prompt, response)

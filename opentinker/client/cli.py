@@ -367,7 +367,7 @@ def _quickstart_command(commands) -> None:
                             help="train this real pretrained model instead of the tiny one "
                                  "(make install-pretrained first); about half an hour on 2 cores")
     quickstart.add_argument("--steps", type=int, default=None,
-                            help="training steps (default: 150 for the tiny model, 30 for smollm2-135m-instruct)")
+                            help="training steps (default: 150 for the tiny model, 20 for smollm2-135m-instruct)")
     quickstart.add_argument("--out", default="opentinker-quickstart", help="folder for the curve, checkpoint and server data")
     quickstart.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
 

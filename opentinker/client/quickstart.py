@@ -76,7 +76,7 @@ SMOLLM2_CONFIG = {
 RECIPES: dict[str | None, QuickstartRecipe] = {
     None: QuickstartRecipe("the tiny model", "arithmetic", 150, QUICKSTART_CONFIG),
     "smollm2-135m-instruct": QuickstartRecipe(
-        "SmolLM2-135M-Instruct (LoRA)", "word problems", 30, SMOLLM2_CONFIG, served_model="smollm2-135m-instruct"),
+        "SmolLM2-135M-Instruct (LoRA)", "word problems", 20, SMOLLM2_CONFIG, served_model="smollm2-135m-instruct"),
 }
 
 
