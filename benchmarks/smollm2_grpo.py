@@ -9,7 +9,8 @@ the held-out accuracy does when nothing learns (greedy validation of unchanged w
 not move). Printed per run: accuracy before, after, the difference and the minutes it took;
 then the mean difference over seeds with its spread. Needs ``make install-pretrained``.
 
-    python benchmarks/smollm2_grpo.py [--seeds 1 2 3] [--steps 25] [--no-control] [--override KEY=VALUE ...]
+    python benchmarks/smollm2_grpo.py [--seeds 1 2 3] [--steps 20] [--no-control] [--override KEY=VALUE ...]
+    python benchmarks/smollm2_grpo.py --base   # the untrained model: accuracy greedy and sampled
 """
 
 from __future__ import annotations
@@ -44,6 +45,39 @@ print("RESULT " + json.dumps({
 """
 
 
+def base_accuracy(temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)) -> None:
+    """The untrained model on the held-out problems: accuracy (one- and two-step apart), answer
+    length and seconds to answer all 64, at each temperature (the slot decode, as in training)."""
+    from opentinker.client.quickstart import SMOLLM2_CONFIG
+    from opentinker.engine.data import chat_prompt_ids
+    from opentinker.engine.model_loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model_path
+    from opentinker.engine.rollout import SamplingParams
+    from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
+    from opentinker.environments import word_problems
+
+    path = resolve_model_path(SMOLLM2_CONFIG["actor_rollout_ref.model.path"])
+    tokenizer = load_tokenizer(path)
+    engine = TransformersRolloutEngine(load_causal_lm(path).eval(), eos_token_ids(tokenizer, path),
+                                       tokenizer.pad_token_id, seed=0, tokenizer=tokenizer, slot_decode=True)
+    problems = word_problems.make_problems(SMOLLM2_CONFIG["data.val_batch_size"], word_problems.HELDOUT_SEED, "heldout")
+    prompts = [chat_prompt_ids(tokenizer, p.messages()) for p in problems]
+    print(f"{'temperature':>11} {'accuracy':>8} {'one-step':>8} {'two-step':>8} {'tokens':>6} {'seconds':>7}")
+    for temperature in temperatures:
+        started = time.monotonic()
+        answers = engine.generate(prompts, SamplingParams(temperature=temperature,
+                                                          max_tokens=SMOLLM2_CONFIG["data.max_response_length"]))
+        seconds = time.monotonic() - started
+        scores = [word_problems.score_answer(tokenizer.decode(a.token_ids, skip_special_tokens=True), p.answer)
+                  for a, p in zip(answers, problems)]
+
+        def mean_of(steps: int) -> float:
+            return statistics.fmean(s for s, p in zip(scores, problems) if p.steps == steps)
+
+        tokens = statistics.fmean(len(a.token_ids) for a in answers)
+        print(f"{temperature:>11} {statistics.fmean(scores):>8.3f} {mean_of(1):>8.3f} {mean_of(2):>8.3f} "
+              f"{tokens:>6.1f} {seconds:>7.1f}", flush=True)
+
+
 def run(seed: int, lr: float, steps: int, overrides: list[str]) -> dict:
     spec = {"seed": seed, "lr": lr, "steps": steps, "overrides": overrides}
     started = time.monotonic()
@@ -59,11 +93,15 @@ def run(seed: int, lr: float, steps: int, overrides: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=None, help="default: the quickstart's")
     parser.add_argument("--no-control", action="store_true", help="skip the lr = 0 run")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--base", action="store_true", help="only the untrained model's accuracy, greedy and sampled")
     args = parser.parse_args(argv)
+    if args.base:
+        base_accuracy()
+        return 0
     from opentinker.client.quickstart import SMOLLM2_CONFIG
 
     lr = args.lr if args.lr is not None else SMOLLM2_CONFIG["actor_rollout_ref.actor.optim.lr"]
