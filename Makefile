@@ -102,7 +102,7 @@ install-chromium:
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist), a test file per worker at a time so a
 # file's expensive fixtures (Ray, a live server, vLLM) are made once; TEST_WORKERS=0 runs it in
-# this process. On 2 cores: 18 min with 2 workers against 24-25 min in one process.
+# this process. On 2 cores: 18 min with 2 workers against 24-25 min in one process (before the real-model tests; 26 min with them).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(2, len(os.sched_getaffinity(0))))" 2>/dev/null || echo 2)
 test: install install-pretrained install-openenv $(if $(filter 1,$(VLLM)),install-vllm) $(if $(filter 1,$(CHROMIUM)),install-chromium)
 	$(PY) -m pytest $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
