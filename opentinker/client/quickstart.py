@@ -33,7 +33,11 @@ class QuickstartRecipe:
     task: str
     steps: int
     config: dict[str, Any] = field(default_factory=dict)
-    served_model: str | None = None  # a preset or path the local server serves; None: the tiny model
+
+    @property
+    def served_model(self) -> str | None:
+        """The preset or path the local server serves beside the tiny model (None: only that)."""
+        return self.config.get("actor_rollout_ref.model.path")
 
 
 # Tuned for the embedded tiny model (the config defaults are verl's, sized for real LLMs).
@@ -76,7 +80,7 @@ SMOLLM2_CONFIG = {
 RECIPES: dict[str | None, QuickstartRecipe] = {
     None: QuickstartRecipe("the tiny model", "arithmetic", 150, QUICKSTART_CONFIG),
     "smollm2-135m-instruct": QuickstartRecipe(
-        "SmolLM2-135M-Instruct (LoRA)", "word problems", 20, SMOLLM2_CONFIG, served_model="smollm2-135m-instruct"),
+        "SmolLM2-135M-Instruct (LoRA)", "word problems", 20, SMOLLM2_CONFIG),
 }
 
 
@@ -108,9 +112,7 @@ def _convert_first(model: str) -> None:
 
 def _train(url: str, api_key: str, recipe: QuickstartRecipe, steps: int, out: Path) -> Path:
     client = OpenTinkerClient(url, api_key)
-    config = {**recipe.config, "trainer.total_training_steps": steps}
-    config.setdefault("trainer.test_freq", max(1, steps // 2))
-    env = GenericEnvironment(config)
+    env = GenericEnvironment({**recipe.config, "trainer.total_training_steps": steps})
     print(f"[quickstart] training {recipe.description} with GRPO on {recipe.task} for {steps} steps", flush=True)
     job = client.submit(env)
     final = job.wait(progress=True)

@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 
-from opentinker.pretrained import PRESETS, PretrainedModelError, installed_version, locate, preset
+from opentinker.pretrained import PRESETS, PretrainedModelError, installed_version, preset
 
 
 def _list() -> int:
@@ -34,9 +34,9 @@ def _install(name: str) -> int:
 
 
 def _convert(source: str, force: bool) -> int:
-    from opentinker.pretrained.convert import ensure_converted
+    from opentinker.pretrained.convert import ensure_converted, source_file
 
-    print(ensure_converted(locate(source) if source in PRESETS else source, force=force))
+    print(ensure_converted(source_file(source) or source, force=force))
     return 0
 
 

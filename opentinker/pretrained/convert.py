@@ -117,11 +117,6 @@ def ensure_converted(gguf: str | os.PathLike, *, cache_dir: str | os.PathLike | 
     return build_once(target, build, _is_complete, force=force, announce=announce)
 
 
-def preset_folder(name: str, *, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
-    """The Hugging Face folder of preset ``name`` (see :data:`opentinker.pretrained.PRESETS`)."""
-    return ensure_converted(locate(name), cache_dir=cache_dir, progress=progress)
-
-
 def source_file(path: str) -> Path | None:
     """The GGUF file a model path names: a preset's (PretrainedModelError when it is not
     installed) or a ``.gguf`` path; None for any other path (a folder, a hub name)."""
