@@ -29,6 +29,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in heavy)  # stable: each file's tests keep their order
 
 
+@pytest.fixture(autouse=True)
+def tinker_sessions_end_with_their_test(monkeypatch):
+    """Every ``tinker.ServiceClient`` a test makes is closed when the test ends. An open one
+    keeps a heartbeat thread that logs a warning every 10 s, for the rest of the run, once its
+    server is gone. Only where the test module already imported the SDK."""
+    tinker = sys.modules.get("tinker")
+    if tinker is None:
+        yield
+        return
+    opened = []
+    original_init = tinker.ServiceClient.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(tinker.ServiceClient, "__init__", recording_init)
+    yield
+    for service in opened:
+        service.close("interrupted")  # not awaited: its server may already have stopped
+
+
 @pytest.fixture
 def run_without_heavy_packages():
     """``run(code) -> CompletedProcess``: Python code in a subprocess where importing torch,

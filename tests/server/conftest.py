@@ -390,10 +390,12 @@ def helpers():
 
 def run_schemathesis(workdir: Path, document_url: str, header: str, expected_statuses: list[str],
                      max_examples: int, base_url: str | None = None,
-                     hooks: Path | None = None, timeout_s: float = 900) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+                     hooks: Path | None = None, timeout_s: float = 900,
+                     request_timeout_s: float = 10.0) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     """schemathesis (its CLI, all checks, seed 1) over the document at ``document_url``,
     ``positive_data_acceptance`` accepting ``expected_statuses``; the finished process and
-    its JSON report. ``hooks``: a module of schemathesis hooks (``SCHEMATHESIS_HOOKS``)."""
+    its JSON report. ``hooks``: a module of schemathesis hooks (``SCHEMATHESIS_HOOKS``);
+    ``request_timeout_s``: how long one request may take before the fuzzer calls it an error."""
     config = workdir / "schemathesis.toml"
     config.write_text(f"[checks.positive_data_acceptance]\nexpected-statuses = {json.dumps(expected_statuses)}\n")
     report = workdir / "report.json"
@@ -401,6 +403,7 @@ def run_schemathesis(workdir: Path, document_url: str, header: str, expected_sta
         sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()",
         "--config-file", str(config), "run", document_url, *(["--url", base_url] if base_url else []),
         "--header", header, "--checks", "all", "--max-examples", str(max_examples), "--seed", "1",
+        "--request-timeout", str(request_timeout_s),
         "--report", "json", "--report-json-path", str(report),
     ]  # fmt: skip
     env = {**os.environ, **({"SCHEMATHESIS_HOOKS": str(hooks)} if hooks else {})}
