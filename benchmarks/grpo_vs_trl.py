@@ -4,8 +4,9 @@ Both trainers run in this one process, on CPU in float32 (``--device cuda``: on 
 weights under bf16 autocast for both), with the same settings:
 
 * the same tiny model (the embedded one by default, ``--model PATH`` to override);
-* the same prompts: rows of the built-in arithmetic task, taken in order (no shuffling), so
-  step k of both trainers sees the very same 8 questions;
+* the same prompts: rows of a built-in task (``--task``: arithmetic by default, word_problems for
+  a real chat model), taken in order (no shuffling), so step k of both trainers sees the very
+  same 8 questions, scored by the task's own reward function;
 * 8 prompts x 8 samples = 64 completions per step, temperature 1.0, at most 64 new tokens;
   by default both are forced to generate exactly 64 tokens (ours: ``rollout.ignore_eos``;
   TRL: ``min_new_tokens=64``), ``--natural-stop`` lets both stop at eos;
@@ -15,11 +16,16 @@ weights under bf16 autocast for both), with the same settings:
 * GRPO advantages (r - group mean) / group std, token-mean loss over the batch (TRL: ``dapo``),
   clip 0.2, a k3 KL loss against a frozen reference with the same coefficient (TRL ``beta``),
   AdamW with the same lr / weight decay / betas, grad-norm clip 1.0, constant lr;
+* every weight trained, or (``--lora RANK``) LoRA adapters of that rank, alpha 2 x rank, on every
+  linear layer of the decoder (ours: ``model.lora_rank``; TRL: a peft ``LoraConfig`` with
+  ``target_modules="all-linear"``); with LoRA both take the reference logprobs from the base
+  model with the adapters switched off instead of a second copy;
 * the same number of torch threads.
 
 Each trainer does one untimed warm-up step, then ``--steps`` timed steps. Run:
 
-    python benchmarks/grpo_vs_trl.py [--steps 5] [--model PATH] [--natural-stop] [--threads N]
+    python benchmarks/grpo_vs_trl.py [--steps 5] [--model PATH|PRESET] [--task arithmetic|word_problems]
+                                     [--lora RANK] [--natural-stop] [--threads N]
                                      [--only ours|trl] [--ours-override KEY=VALUE ...] [--device cuda]
 
 Needs ``trl`` (``pip install trl``), which pulls accelerate and datasets.
@@ -68,7 +74,12 @@ def say(*parts: object) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer (after 1 warm-up step)")
-    parser.add_argument("--model", default=None, help="HF model folder (default: the embedded tiny model)")
+    parser.add_argument("--model", default=None,
+                        help="HF model folder, .gguf file or preset (default: the embedded tiny model)")
+    parser.add_argument("--task", choices=["arithmetic", "word_problems"], default="arithmetic",
+                        help="the built-in task whose train rows both trainers take in order")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank on every linear layer (default 0: every weight)")
     parser.add_argument(
         "--natural-stop", action="store_true", help="let completions stop at eos instead of forcing 64 tokens"
     )
@@ -88,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.lora < 0:
+        parser.error("--lora must be >= 0")
     return args
 
 
@@ -137,6 +150,8 @@ def run_ours(model_path: str, rows: list[dict], reward_fn, args: argparse.Namesp
         f"actor_rollout_ref.actor.optim.weight_decay={WEIGHT_DECAY}",
         f"actor_rollout_ref.actor.optim.betas=[{BETAS[0]},{BETAS[1]}]",
         "actor_rollout_ref.actor.optim.warmup_style=constant",
+        *([f"actor_rollout_ref.model.lora_rank={args.lora}", f"actor_rollout_ref.model.lora_alpha={2 * args.lora}"]
+          if args.lora else []),
         f"trainer.device={args.device}",
         f"trainer.seed={SEED}",
         f"trainer.total_training_steps={total}",
@@ -173,12 +188,10 @@ def run_ours(model_path: str, rows: list[dict], reward_fn, args: argparse.Namesp
 
 
 # -- TRL --------------------------------------------------------------------------------
-def run_trl(model_path: str, rows: list[dict], args: argparse.Namespace) -> dict:
+def run_trl(model_path: str, rows: list[dict], reward_fn, args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from opentinker.environments.arithmetic import score_answer
 
     total = args.steps + 1
     completions_per_step = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
@@ -186,9 +199,9 @@ def run_trl(model_path: str, rows: list[dict], args: argparse.Namespace) -> dict
         [{"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]} for row in rows]
     )
 
-    def arithmetic_reward(completions, ground_truth, **_):
+    def task_reward(completions, ground_truth, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score_answer(text, truth) for text, truth in zip(texts, ground_truth)]
+        return [reward_fn(text, {"reward_model": {"ground_truth": truth}}) for text, truth in zip(texts, ground_truth)]
 
     class StepTimer(TrainerCallback):
         """Timestamps each optimizer step and snapshots the step's metrics (TRL clears them on log)."""
@@ -276,11 +289,18 @@ def run_trl(model_path: str, rows: list[dict], args: argparse.Namespace) -> dict
         seed=SEED,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
     timer = StepTimer()
     trainer = TimedGRPOTrainer(
         model=model_path,
-        reward_funcs=arithmetic_reward,
+        reward_funcs=task_reward,
         args=config,
+        peft_config=peft_config,
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[timer],
@@ -342,7 +362,7 @@ def main(argv: list[str] | None = None, results: dict[str, dict] | None = None) 
     from opentinker.engine.model_loading import resolve_model_path
 
     model_path = resolve_model_path(args.model)
-    train_rows, _, reward_fn = builtin_task("arithmetic")
+    train_rows, _, reward_fn = builtin_task(args.task)
     rows = train_rows[: PROMPTS_PER_STEP * (args.steps + 1)]  # taken in order by both trainers
 
     try:
@@ -373,7 +393,9 @@ def main(argv: list[str] | None = None, results: dict[str, dict] | None = None) 
         + ("stop at eos (--natural-stop)" if args.natural_stop else f"forced to exactly {MAX_NEW_TOKENS} tokens"))
     say(f"  loss                  GRPO (r-mean)/std per group, token-mean, clip {CLIP}, k3 KL coef {KL_COEF}")
     say(f"  optimizer             AdamW lr {LR} wd {WEIGHT_DECAY} betas {BETAS}, grad clip {GRAD_CLIP}, constant lr")
-    say(f"  prompts               arithmetic train rows 0..{len(rows) - 1} in order (same per step in both)")
+    say(f"  prompts               {args.task} train rows 0..{len(rows) - 1} in order (same per step in both)")
+    say(f"  trained               " + (f"LoRA rank {args.lora}, alpha {2 * args.lora}, every linear layer; reference = "
+                                      "the base with adapters off" if args.lora else "every weight; a frozen reference copy"))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"  machine load          {load:.2f} (1-min load average before starting; >0.5 means another process "
         "competes for the CPU and timings are noisy)")
@@ -397,7 +419,7 @@ def main(argv: list[str] | None = None, results: dict[str, dict] | None = None) 
         else:
             say("\n[TRL] trl GRPOTrainer")
             torch.set_num_threads(args.threads)
-            results["trl"] = run_trl(model_path, rows, args)
+            results["trl"] = run_trl(model_path, rows, reward_fn, args)
 
     say("\nresults (seconds per step over the timed steps):")
     for name, label in (("ours", "ours"), ("trl", "TRL ")):
