@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None, results: dict[str, dict] | None = None) 
     say(f"  loss                  GRPO (r-mean)/std per group, token-mean, clip {CLIP}, k3 KL coef {KL_COEF}")
     say(f"  optimizer             AdamW lr {LR} wd {WEIGHT_DECAY} betas {BETAS}, grad clip {GRAD_CLIP}, constant lr")
     say(f"  prompts               {args.task} train rows 0..{len(rows) - 1} in order (same per step in both)")
-    say(f"  trained               " + (f"LoRA rank {args.lora}, alpha {2 * args.lora}, every linear layer; reference = "
+    say("  trained               " + (f"LoRA rank {args.lora}, alpha {2 * args.lora}, every linear layer; reference = "
                                       "the base with adapters off" if args.lora else "every weight; a frozen reference copy"))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     say(f"  machine load          {load:.2f} (1-min load average before starting; >0.5 means another process "

@@ -1,11 +1,12 @@
-"""Typed training config with verl-style dotted keys.
+"""The recipe's wire format: verl-style dotted keys, parsed and checked.
 
-One tree of defaults (``DEFAULTS``) is the single source of truth: every valid key is a
-key of that tree, so an override such as ``actor_rollout_ref.actor.optim.lr=1e-5`` is
-checked against it, and a typo is an error naming the bad key and the closest valid one.
-Values are checked too: types (``TYPES`` where the default is None), named choices
-(``CHOICES``, with the closest valid value) and numeric ranges (``RANGES``, whose upper
-bounds a server operator may lower or raise with ``limits``). Values are plain data:
+Every key, its default and its checks are declared once, on the recipe's schema
+(``opentinker/recipe/components.py``); the tables here (``VALID_KEYS``, ``DEFAULTS``,
+``TYPES``, ``CHOICES``, ``RANGES``, ``SWITCHES``) are read off it. An override such as
+``actor_rollout_ref.actor.optim.lr=1e-5`` is checked against them: a typo is an error naming
+the bad key and the closest valid one; a value of the wrong type, an unknown name (with the
+closest valid one) or a number out of range (whose upper bound a server operator may lower or
+raise with ``limits``) is an error naming the key. Values are plain data:
 OmegaConf's ``${...}`` interpolation and resolvers are refused, so a config can never read
 the environment or other keys of the machine that resolves it.
 No torch here: the client validates configs before sending them.
@@ -15,234 +16,16 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-ADV_ESTIMATORS_NEEDING_GROUPS = (
-    "grpo",
-    "grpo_weighted_add",
-    "grpo_weighted_mul",
-    "rloo",
-)
+from opentinker.recipe.components import JobMode
+from opentinker.recipe.knobs import ConfigError, knobs_of
+from opentinker.recipe.spec import RecipeSpec
 
-DEFAULTS: dict[str, Any] = {
-    "data": {
-        "task": "arithmetic",  # built-in dataset used when no rows are given
-        "train_batch_size": 8,  # prompts per step; each is sampled rollout.n times
-        "val_batch_size": 64,  # held-out prompts per validation
-        "max_prompt_length": 128,
-        "max_response_length": 16,
-        "shuffle": True,
-        "seed": 1,
-    },
-    "actor_rollout_ref": {
-        "model": {
-            "path": None,  # None -> the embedded tiny model
-            # Pack each micro-batch's rows into one row without padding, each sequence's attention
-            # its own (engine/backend/packed_attention.py: varlen flash on GPU, sdpa per sequence on CPU).
-            "use_remove_padding": True,
-            # Run each distinct prompt once and reuse its KV cache for its n samples (same
-            # logprobs and gradients). With both on, each micro-batch takes whichever computes
-            # fewer tokens: the prompts once (long prompts, short responses) or the packed row.
-            "share_prompt_prefix": True,
-            "enable_gradient_checkpointing": False,
-            "trust_remote_code": False,
-            # LoRA (peft): > 0 trains rank-r adapters only; the reference policy is the base
-            # model with them disabled, and weight sync and exports are merged.
-            "lora_rank": 0,
-            "lora_alpha": 16,
-            "target_modules": "all-linear",  # or comma-separated module names, e.g. "q_proj,v_proj"
-        },
-        "actor": {
-            # local: one model in this process; fsdp: trainer.nnodes x trainer.n_gpus_per_node FSDP2
-            # ranks as Ray actors (with trainer.device=cpu, that many CPU processes on gloo)
-            "strategy": "local",
-            "ppo_mini_batch_size": 8,  # in prompts, as in verl (x rollout.n samples)
-            "ppo_micro_batch_size": 64,  # in samples, per forward/backward
-            "ppo_epochs": 1,
-            "policy_loss": "vanilla",
-            "clip_ratio": 0.2,
-            "clip_ratio_low": None,
-            "clip_ratio_high": None,
-            "clip_ratio_c": 3.0,
-            "loss_agg_mode": "token-mean",
-            "entropy_coeff": 0.0,
-            "use_kl_loss": False,
-            "kl_loss_coef": 0.001,
-            "kl_loss_type": "low_var_kl",
-            "grad_clip": 1.0,
-            "optim": {
-                "lr": 1e-6,
-                "weight_decay": 0.01,
-                "betas": [0.9, 0.999],
-                "lr_warmup_steps": -1,  # -1: use lr_warmup_steps_ratio
-                "lr_warmup_steps_ratio": 0.0,
-                "warmup_style": "constant",  # constant | cosine
-                "min_lr_ratio": 0.0,
-            },
-            "fsdp_config": {
-                "param_offload": False,
-                "grad_offload": False,
-                "optimizer_offload": False,
-            },
-        },
-        "ref": {
-            "log_prob_micro_batch_size": 64,
-        },
-        "rollout": {
-            "name": "transformers",  # transformers | vllm
-            "n": 8,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": -1,
-            "gpu_memory_utilization": 0.5,
-            # vllm: engines x GPUs each, on the training GPUs (asleep during updates) or after them.
-            "tensor_model_parallel_size": 1,
-            "replicas": 1,
-            "placement": "colocated",  # colocated | separate
-            "enable_prefix_caching": True,
-            "max_model_len": None,  # vllm: None = data.max_prompt_length + data.max_response_length
-            "max_batch_size": 256,  # concurrent sequences in one generate call
-            # transformers engine: decode steps through torch.compile (one graph per run, cached
-            # on disk); false: the eager step (debugging). See rollout/compiled_decode.py.
-            "compile_decode": False,
-            # transformers engine: per-row KV slots, each decode step on the device, CUDA graphs on
-            # a GPU (rollout/slot_decode.py); not with compile_decode.
-            "slot_decode": False,
-            "val_temperature": 0.0,  # greedy validation
-            "val_n": 1,  # samples per validation prompt; > 1 (with val_temperature > 0) reports pass@k
-            "ignore_eos": False,  # always generate data.max_response_length tokens (benchmarks)
-            "multi_turn": {  # agent loops; the total response budget is data.max_response_length
-                "max_assistant_turns": 5,
-                "max_user_turns": 5,
-                "max_tokens_per_turn": 64,
-                "reward_mode": "sum",  # sum | last | score (the interaction's calculate_score)
-                # None: a trajectory ended by an environment error is left out of the loss and
-                # of its group's statistics (and counted); a number: it gets this reward.
-                "env_error_reward": None,
-            },
-        },
-    },
-    # PPO's value model (algorithm.adv_estimator=gae only; verl's keys): a value head on the
-    # actor's model (or critic.model.path), trained with the clipped value loss.
-    "critic": {
-        "strategy": None,  # None: the actor's (local | fsdp, on the same ranks setting)
-        "model": {
-            "path": None,  # None: the actor's model; on a server, a served model's name
-            "lora_rank": 0,  # > 0: LoRA adapters plus the value head train; 0: every weight
-            "lora_alpha": 16,
-            "target_modules": "all-linear",
-            "enable_gradient_checkpointing": False,
-        },
-        "ppo_mini_batch_size": 8,  # in prompts (x rollout.n samples), as the actor's
-        "ppo_micro_batch_size": 64,  # in samples
-        "ppo_epochs": 1,
-        "cliprange_value": 0.5,
-        "loss_agg_mode": "token-mean",
-        "grad_clip": 1.0,
-        "optim": {
-            "lr": 1e-5,
-            "weight_decay": 0.01,
-            "betas": [0.9, 0.999],
-            "lr_warmup_steps": -1,  # -1: use lr_warmup_steps_ratio
-            "lr_warmup_steps_ratio": 0.0,
-            "warmup_style": "constant",
-            "min_lr_ratio": 0.0,
-        },
-    },
-    "reward_model": {
-        # Seconds one reward-function call may take (single-turn tasks); a sample whose call
-        # runs longer is left out of the step, like one whose env failed, with a warning naming
-        # the function. 0: no deadline.
-        "timeout_s": 60.0,
-    },
-    "algorithm": {
-        "adv_estimator": "grpo",
-        "norm_adv_by_std_in_grpo": True,
-        "gamma": 1.0,
-        "lam": 1.0,
-        # Creativity (grpo_weighted_add / grpo_weighted_mul): weight = (same-strategy count) ** -weight_power.
-        "weight_power": 0.7,
-        "enable_solution_classification": False,  # ask the strategy judge for labels
-        "classify_only_correct": True,  # only responses with reward > 0 are grouped; others weigh 1
-        "weight_positive_only": False,  # mul: weight positive advantages only
-        # Importance correction of the gap between the policy that sampled (the rollout engine's
-        # logprobs) and the one being trained (verl's keys): weights exp(old - rollout), token
-        # or sequence level, truncated at rollout_is_threshold (rollout_is), and/or tokens or
-        # sequences whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold]
-        # masked out of the loss (rollout_rs). bypass_mode: the rollout's logprobs are the old
-        # ones (no recompute; the weights are then 1).
-        "rollout_correction": {
-            "rollout_is": None,  # None | token | sequence
-            "rollout_is_threshold": 2.0,
-            "rollout_rs": None,  # None | token | sequence | geometric
-            "rollout_rs_threshold": None,  # upper bound of the ratio kept; required with rollout_rs
-            "rollout_rs_threshold_lower": None,  # None: 1 / rollout_rs_threshold
-            "bypass_mode": False,
-        },
-        "judge": {
-            "kind": "lexical",  # openai | hf | lexical (no model)
-            "model": None,  # openai: chat model name; hf: a local model folder or hub name
-            "base_url": None,  # openai: OPENAI_BASE_URL by default
-            "max_concurrency": 8,
-            "timeout_s": 60.0,
-            "max_retries": 3,
-        },
-    },
-    # Off-policy asynchronous training (verl's one-step-off-policy / fully-async trainers): the
-    # rollouts of the next max_staleness steps run in their own process while this step
-    # updates; a sample trains at most max_staleness policy versions after the one that drew it.
-    # 0: the synchronous loop.
-    "async_training": {
-        "max_staleness": 0,
-    },
-    "trainer": {
-        "total_training_steps": 20,
-        "n_gpus_per_node": 0,
-        "nnodes": 1,
-        "device": "auto",  # auto | cpu | cuda
-        "project_name": "opentinker",
-        "experiment_name": "tiny-arithmetic-grpo",
-        "logger": ["console"],
-        "save_freq": -1,  # steps between checkpoints; -1 = only at the end when a dir is set
-        "test_freq": 10,  # steps between validations; -1 = never
-        "val_before_train": True,
-        "default_local_dir": None,  # where checkpoints go; None = no checkpoints
-        "seed": 0,
-        "progress_bar": True,
-        # A step with nothing to train on because an env server could not be reached
-        # (connection refused, timeout, 502/503/504) is redone once its /health answers; the
-        # job fails after waiting this long for it (seconds; 0 = fail at once).
-        "env_outage_timeout_s": 300.0,
-        # A step with nothing to train on though its env servers answer (errors of the env's
-        # own, e.g. HTTP 500; prompts too long) is skipped and counted; this many in a row
-        # fail the job, naming the env error.
-        "max_consecutive_empty_steps": 3,
-        # auto: continue from the newest checkpoint in default_local_dir, if any; disable;
-        # or the path of a global_step_<k> folder (verl's key)
-        "resume_mode": "auto",
-        # With a critic: steps that train only the critic before the actor's updates begin.
-        "critic_warmup": 0,
-    },
-}
-
-
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names the key, and ``key`` is it (the dotted
-    key; None when no single key is at fault)."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        if key is None:  # the per-key checks say "config key '<key>'"
-            named = re.search(r"config key '([A-Za-z0-9_.]+)'", message)
-            key = named.group(1) if named else None
-        self.key = key
-
-    def __reduce__(self):  # the key survives pickling (a runner's error crossing to the server)
-        return (type(self), (str(self), self.key))
+__all__ = ["ConfigError", "build_recipe", "make_config", "validate"]
 
 
 def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -256,154 +39,35 @@ def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-VALID_KEYS: dict[str, Any] = _flat_keys(DEFAULTS)
+_KEYS = list(knobs_of(RecipeSpec))
+
+
+def _tree(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        _set_dotted(tree, key, value)
+    return tree
+
+
+#: Every valid key and its default (read off the recipe's schema, ``opentinker/recipe/components.py``).
+VALID_KEYS: dict[str, Any] = {info.key: info.default for info in _KEYS}
 _SECTIONS = {key.rsplit(".", 1)[0] for key in VALID_KEYS if "." in key}
-
-#: The type of each key whose default is None (the others take their default's type).
-TYPES: dict[str, type] = {
-    "actor_rollout_ref.model.path": str,
-    "actor_rollout_ref.actor.clip_ratio_low": float,
-    "actor_rollout_ref.actor.clip_ratio_high": float,
-    "actor_rollout_ref.rollout.multi_turn.env_error_reward": float,
-    "actor_rollout_ref.rollout.max_model_len": int,
-    "algorithm.judge.model": str,
-    "algorithm.judge.base_url": str,
-    "trainer.default_local_dir": str,
-    "critic.strategy": str,
-    "critic.model.path": str,
-    "algorithm.rollout_correction.rollout_is": str,
-    "algorithm.rollout_correction.rollout_rs": str,
-    "algorithm.rollout_correction.rollout_rs_threshold": float,
-    "algorithm.rollout_correction.rollout_rs_threshold_lower": float,
-}
-
+#: The type each key's values take (a tuple field takes a list).
+TYPES: dict[str, type] = {info.key: info.kind for info in _KEYS}
 #: Keys whose value is one of a few names (for a list-valued key: each item). Registries of
 #: the engine add the names registered there (``register_choice``), so a custom advantage
 #: estimator or policy loss registered in-process is a valid value too.
-CHOICES: dict[str, list[str]] = {
-    "data.task": ["arithmetic", "word_problems"],
-    "actor_rollout_ref.actor.strategy": ["local", "fsdp"],
-    "actor_rollout_ref.actor.policy_loss": ["vanilla", "gspo", "cispo"],
-    "actor_rollout_ref.actor.loss_agg_mode": [
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-    ],
-    "actor_rollout_ref.actor.kl_loss_type": ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"],
-    "actor_rollout_ref.actor.optim.warmup_style": ["constant", "cosine"],
-    "critic.strategy": ["local", "fsdp"],
-    "critic.loss_agg_mode": [
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-    ],
-    "critic.optim.warmup_style": ["constant", "cosine"],
-    "actor_rollout_ref.rollout.name": ["transformers", "vllm"],
-    "actor_rollout_ref.rollout.placement": ["colocated", "separate"],
-    "actor_rollout_ref.rollout.multi_turn.reward_mode": ["sum", "last", "score"],
-    "algorithm.adv_estimator": [
-        "gae", "grpo", "grpo_weighted_add", "grpo_weighted_mul", "rloo",
-        "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-    ],
-    "algorithm.judge.kind": ["openai", "hf", "lexical"],
-    "algorithm.rollout_correction.rollout_is": ["token", "sequence"],
-    "algorithm.rollout_correction.rollout_rs": ["token", "sequence", "geometric"],
-    "trainer.device": ["auto", "cpu", "cuda"],
-    "trainer.logger": ["console", "wandb"],
-}
-
-_INT31 = 2**31 - 1
-
+CHOICES: dict[str, list[str]] = {info.key: list(info.knob.choices) for info in _KEYS if info.knob.choices}
 #: Boolean keys whose cost the client does not pay (compile_decode: a compile of 8-34 s of CPU
 #: in every rollout process). An operator turns one off with ``limits={key: 0}``
 #: (``opentinker-server serve --limit KEY=0``); a job that asks for it then gets a ConfigError.
-SWITCHES: tuple[str, ...] = ("actor_rollout_ref.rollout.compile_decode",)
-
+SWITCHES: tuple[str, ...] = tuple(info.key for info in _KEYS if info.knob.switch)
 #: ``key: (low, high)``, both inclusive (None: no bound on that side). The upper bounds are
 #: sanity limits a server operator may change (``limits=`` of :func:`make_config`); keys in
 #: ``_ABOVE_LOW`` must be strictly greater than their low bound.
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "data.train_batch_size": (1, 4096),
-    "data.val_batch_size": (1, 4096),
-    "data.max_prompt_length": (1, 32768),
-    "data.max_response_length": (1, 32768),
-    "data.seed": (0, _INT31),
-    "actor_rollout_ref.model.lora_rank": (0, 1024),
-    "actor_rollout_ref.model.lora_alpha": (0, 4096),
-    "actor_rollout_ref.actor.ppo_mini_batch_size": (1, 4096),
-    "actor_rollout_ref.actor.ppo_micro_batch_size": (1, 4096),
-    "actor_rollout_ref.actor.ppo_epochs": (1, 32),
-    "actor_rollout_ref.actor.clip_ratio": (0, 10),
-    "actor_rollout_ref.actor.clip_ratio_low": (0, 10),
-    "actor_rollout_ref.actor.clip_ratio_high": (0, 10),
-    "actor_rollout_ref.actor.clip_ratio_c": (1, 1000),
-    "actor_rollout_ref.actor.entropy_coeff": (-10, 10),
-    "actor_rollout_ref.actor.kl_loss_coef": (0, 1000),
-    "actor_rollout_ref.actor.grad_clip": (0, 1e12),  # a huge value: no clipping in effect
-    "actor_rollout_ref.actor.optim.lr": (0, 1),
-    "actor_rollout_ref.actor.optim.weight_decay": (0, 10),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": (-1, 1_000_000),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": (0, 1),
-    "actor_rollout_ref.actor.optim.min_lr_ratio": (0, 1),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": (1, 4096),
-    "actor_rollout_ref.rollout.n": (1, 64),
-    "actor_rollout_ref.rollout.temperature": (0, 10),
-    "actor_rollout_ref.rollout.top_p": (0, 1),
-    "actor_rollout_ref.rollout.top_k": (-1, 1_000_000),
-    "actor_rollout_ref.rollout.gpu_memory_utilization": (0, 1),
-    "actor_rollout_ref.rollout.max_batch_size": (1, 4096),
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": (1, 8),
-    "actor_rollout_ref.rollout.replicas": (1, 8),
-    "actor_rollout_ref.rollout.max_model_len": (16, 131072),
-    "actor_rollout_ref.rollout.val_temperature": (0, 10),
-    "actor_rollout_ref.rollout.val_n": (1, 64),
-    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": (1, 64),
-    "actor_rollout_ref.rollout.multi_turn.max_user_turns": (1, 64),
-    "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": (1, 32768),
-    "actor_rollout_ref.rollout.multi_turn.env_error_reward": (-1e6, 1e6),
-    "critic.model.lora_rank": (0, 1024),
-    "critic.model.lora_alpha": (0, 4096),
-    "critic.ppo_mini_batch_size": (1, 4096),
-    "critic.ppo_micro_batch_size": (1, 4096),
-    "critic.ppo_epochs": (1, 32),
-    "critic.cliprange_value": (0, 1e6),
-    "critic.grad_clip": (0, 1e12),
-    "critic.optim.lr": (0, 1),
-    "critic.optim.weight_decay": (0, 10),
-    "critic.optim.lr_warmup_steps": (-1, 1_000_000),
-    "critic.optim.lr_warmup_steps_ratio": (0, 1),
-    "critic.optim.min_lr_ratio": (0, 1),
-    "trainer.critic_warmup": (0, 100_000),
-    "reward_model.timeout_s": (0, 3600),
-    "algorithm.gamma": (0, 1),
-    "algorithm.lam": (0, 1),
-    "algorithm.weight_power": (0, 10),
-    "algorithm.judge.max_concurrency": (1, 64),
-    "algorithm.judge.timeout_s": (0, 600),
-    "algorithm.judge.max_retries": (0, 10),
-    "algorithm.rollout_correction.rollout_is_threshold": (1, 1e6),
-    "algorithm.rollout_correction.rollout_rs_threshold": (1, 1e6),
-    "algorithm.rollout_correction.rollout_rs_threshold_lower": (0, 1),
-    "async_training.max_staleness": (0, 16),
-    "trainer.total_training_steps": (1, 100_000),
-    "trainer.n_gpus_per_node": (0, 64),
-    "trainer.nnodes": (1, 1024),
-    "trainer.save_freq": (-1, 100_000),
-    "trainer.test_freq": (-1, 100_000),
-    "trainer.seed": (0, _INT31),
-    "trainer.max_consecutive_empty_steps": (1, 1000),
-    "trainer.env_outage_timeout_s": (0, 3600),  # a job holds its GPUs while it waits
-}
-_ABOVE_LOW = {
-    "actor_rollout_ref.model.lora_alpha",
-    "actor_rollout_ref.actor.clip_ratio",
-    "actor_rollout_ref.actor.clip_ratio_low",
-    "actor_rollout_ref.actor.clip_ratio_high",
-    "actor_rollout_ref.actor.grad_clip",
-    "critic.model.lora_alpha",
-    "critic.cliprange_value",
-    "critic.grad_clip",
-    "actor_rollout_ref.rollout.top_p",
-    "actor_rollout_ref.rollout.gpu_memory_utilization",
-    "algorithm.judge.timeout_s",
-    "algorithm.rollout_correction.rollout_rs_threshold_lower",
-}
+    info.key: (info.knob.low, info.knob.high) for info in _KEYS if (info.knob.low, info.knob.high) != (None, None)}
+_ABOVE_LOW = {info.key for info in _KEYS if info.knob.above_low}
 MAX_STRING_CHARS = 1024  # any string value
 MAX_LIST_ITEMS = 16  # any list value
 
@@ -481,8 +145,12 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
+#: The defaults as one nested tree (what every config starts from).
+DEFAULTS: dict[str, Any] = _tree(VALID_KEYS)
+
+
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict, every key checked against ``DEFAULTS``."""
+    """``["a.b=1", "c=x"]`` -> nested dict, every key checked against the schema."""
     tree: dict[str, Any] = {}
     for item in items:
         key, value = _parse_override(item)
@@ -662,7 +330,7 @@ def make_config(
 
 def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None:
     """Types, choices and ranges of every key, then the cross-field rules a run would
-    otherwise trip over late (``recipe.cross_field_problem``)."""
+    otherwise trip over late (``opentinker/recipe/rules.py``)."""
     limits = dict(limits or {})
     # resolve=False: never evaluate an interpolation, even one that slipped past the checks.
     flat = _flat_keys(OmegaConf.to_container(cfg, resolve=False))
@@ -672,11 +340,15 @@ def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None
         _check_type(key, VALID_KEYS[key], value)
         _check_choice(key, value)
         _check_range(key, value, limits)
-
-    # The rules that span keys are the typed recipe's (one place for them; it imports this module).
-    from opentinker.recipe import RecipeSpec
-
     RecipeSpec.from_config(cfg)
+
+
+def build_recipe(*overrides: Mapping[str, Any] | Iterable[str] | None, limits: Mapping[str, float] | None = None,
+                 mode: JobMode = "server", gpus: bool | None = None) -> RecipeSpec:
+    """The spec of ``overrides`` (as :func:`make_config` takes them, applied in order over the
+    defaults): every key checked (ConfigError naming it), then every cross-field rule. ``gpus``:
+    whether the machine that will train has GPUs (None: unknown, e.g. on a client)."""
+    return RecipeSpec.from_config(make_config(*overrides, limits=limits), mode=mode, gpus=gpus)
 
 
 def to_dotted(cfg: DictConfig) -> dict[str, Any]:

@@ -112,13 +112,16 @@ def test_interpolation_is_refused_in_every_form(monkeypatch):
         assert "s3cret" not in str(error.value)
 
 
-def test_every_numeric_key_has_a_range_and_every_none_default_a_type():
-    from opentinker.config import RANGES, TYPES, VALID_KEYS
+def test_every_key_has_a_doc_every_numeric_key_a_range_and_only_none_defaults_take_null():
+    from opentinker.config import RANGES
+    from opentinker.recipe import RecipeSpec
+    from opentinker.recipe.knobs import knobs_of
 
-    numeric = {k for k, v in VALID_KEYS.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    numeric |= {k for k, t in TYPES.items() if t in (int, float)}
-    assert numeric - set(RANGES) == set()
-    assert {k for k, v in VALID_KEYS.items() if v is None} == set(TYPES)
+    keys = list(knobs_of(RecipeSpec))
+    assert len(keys) > 100
+    assert all(info.knob.doc.strip() for info in keys)
+    assert {info.key for info in keys if info.kind in (int, float)} - set(RANGES) == set()
+    assert {info.key for info in keys if info.nullable} == {info.key for info in keys if info.default is None}
 
 
 def test_choices_match_the_engine_registries_and_grow_with_them():
@@ -178,3 +181,20 @@ def test_an_operator_turns_a_switch_off_with_a_limit_of_zero():
         make_config([f"{key}=true"], limits=off)
     with pytest.raises(ConfigError, match="0 \\(off\\) or 1 \\(allowed\\), got 2"):
         check_limits({key: 2})
+
+
+def test_the_key_reference_page_is_the_schemas_and_the_client_prints_it_without_torch(run_without_heavy_packages):
+    from pathlib import Path
+
+    from opentinker.recipe import reference
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "config_keys.md"
+    assert page.read_text() == reference.markdown(), "regenerate: python -m opentinker.recipe.reference > docs/config_keys.md"
+    assert "| `actor_rollout_ref.actor.optim.lr` | `1e-06` | float; >= 0 and <= 1 | AdamW learning rate |" in page.read_text()
+    done = run_without_heavy_packages("""
+        from opentinker.client.cli import main
+        main(["config", "keys"])
+    """)
+    assert done.returncode == 0, done.stderr
+    blocks = done.stdout.split("\nactor_rollout_ref.rollout.compile_decode = false\n")
+    assert len(blocks) == 2 and blocks[1].startswith("    bool; operator switch\n")

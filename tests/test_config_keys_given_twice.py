@@ -60,10 +60,10 @@ def test_separate_overrides_still_override_earlier_ones():
 
 def test_the_client_refuses_a_key_given_twice_before_sending():
     from opentinker import GenericEnvironment
-    from opentinker.recipe import RecipeSpec
+    from opentinker.config import build_recipe
 
     twice = {LR: 1e-5, "actor_rollout_ref": {"actor": {"optim": {"lr": 3e-5}}}}
     with pytest.raises(ConfigError, match="config key 'actor_rollout_ref.actor.optim.lr' is given twice"):
         GenericEnvironment(twice, dataset=[{"prompt": [{"role": "user", "content": "1+1=?"}]}])
     with pytest.raises(ConfigError, match="config key 'actor_rollout_ref.actor.optim.lr' is given twice"):
-        RecipeSpec.build(twice)
+        build_recipe(twice)

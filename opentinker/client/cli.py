@@ -12,6 +12,7 @@
     opentinker models                 # what actor_rollout_ref.model.path may name here
     opentinker tokenizer NAME         # a served model's tokenizer into the Hugging Face cache
     opentinker chat JOB[/CHECKPOINT] [-m MESSAGE]   # talk to a job's model (its current weights)
+    opentinker config keys [--markdown]   # every recipe key: default, allowed values, what it does
 
 The server and key come from ``--base-url`` / ``--api-key`` (before or after the command)
 or ``$OPENTINKER_BASE_URL`` / ``$OPENTINKER_API_KEY``.
@@ -351,6 +352,25 @@ def _chat_command(commands) -> None:
                              stdin=sys.stdin, stdout=sys.stdout, **options)
 
     chat.set_defaults(handler=run)
+
+
+@add_command
+def _config_command(commands) -> None:
+    config = commands.add_parser("config", help="the training recipe's keys (no server needed)")
+    actions = config.add_subparsers(dest="config_command", metavar="ACTION")
+    actions.required = True
+    keys = actions.add_parser("keys", help="every recipe key: its default, what it allows and what it does",
+                              description="Every key a training recipe takes, read off the recipe's schema "
+                              "(docs/config_keys.md is the same list).")
+    keys.add_argument("--markdown", action="store_true", help="as the Markdown of docs/config_keys.md")
+
+    def run(args: argparse.Namespace) -> int:
+        from opentinker.recipe import reference
+
+        sys.stdout.write(reference.markdown() if args.markdown else reference.plain())
+        return 0
+
+    keys.set_defaults(handler=run)
 
 
 @add_command

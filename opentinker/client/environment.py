@@ -31,11 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from opentinker.client.errors import DatasetError, EnvironmentSetupError
 from opentinker.client.relay import local_problems, relayed_specs
-from opentinker.config import expand_dotted, make_config, parse_overrides
+from opentinker.config import build_recipe, expand_dotted, make_config, parse_overrides
 from opentinker.environments.gym_interaction import shard_urls
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import EnvCheckResult, JobCreate, JobMode
-from opentinker.recipe import RecipeSpec
 from opentinker.rows import row_shape_problem
 
 if TYPE_CHECKING:
@@ -477,7 +476,7 @@ class GenericEnvironment:
             if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
                 raise ValueError(f"steps must be a positive int, got {steps!r}")
             config.setdefault("trainer", {})["total_training_steps"] = steps
-        RecipeSpec.build(config, mode=mode)  # the rules the job's mode adds, before anything is sent
+        build_recipe(config, mode=mode)  # the rules the job's mode adds, before anything is sent
         if mode == "server":
             dataset = self.train_rows(steps)
         else:

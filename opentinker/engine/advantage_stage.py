@@ -16,7 +16,7 @@ from opentinker.engine.ppo import explained_variance
 if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
     from opentinker.engine.step_types import Rollout
-    from opentinker.recipe import AlgorithmSpec
+    from opentinker.recipe.components import AlgorithmSpec
 
 __all__ = ["AdvantageStage", "question_of"]
 

@@ -13,7 +13,7 @@ from opentinker.engine.algorithms.rollout_correction import rollout_correction
 from opentinker.engine.batch import TokenBatch
 
 if TYPE_CHECKING:
-    from opentinker.recipe import RolloutCorrectionSpec
+    from opentinker.recipe.components import RolloutCorrectionSpec
 
 __all__ = ["sampler_gap_metrics", "without_rejected"]
 

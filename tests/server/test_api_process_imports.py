@@ -15,7 +15,7 @@ from opentinker.server.tinker import host
 from opentinker.server.tinker.routes import training
 from opentinker.engine.backend import BackendSpec
 from opentinker.engine.tinker.calls import ForwardBackwardCall, model_backend_spec
-from opentinker.recipe import RecipeSpec
+from opentinker.config import build_recipe
 spec = model_backend_spec(None, lora_rank=4, train_mlp=False)
 assert isinstance(spec, BackendSpec) and spec.multi_adapter and spec.shared_base().lora is None
 assert spec.lora.target_modules == "q_proj,k_proj,v_proj,o_proj,lm_head"  # train_unembed: the SDK's default
@@ -24,7 +24,7 @@ assert model_backend_spec(None, lora_rank=4, train_attn=False, train_unembed=Fal
 full = model_backend_spec(None, strategy="fsdp", ranks=2)
 assert full.lora is None and not full.multi_adapter and full.ranks == 2  # a backend of its own
 ForwardBackwardCall("m", [], "cross_entropy")
-RecipeSpec.build({"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}, mode="client")
+build_recipe({"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}, mode="client")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "peft", "vllm"))
 assert not heavy, heavy
 print("ok")
