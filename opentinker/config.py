@@ -25,7 +25,7 @@ from opentinker.recipe.components import JobMode
 from opentinker.recipe.knobs import ConfigError, knobs_of
 from opentinker.recipe.spec import RecipeSpec
 
-__all__ = ["ConfigError", "build_recipe", "make_config", "validate"]
+__all__ = ["ConfigError", "build_recipe", "check_values", "make_config"]
 
 
 def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -306,11 +306,10 @@ def flatten(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return _flat_keys(expand_dotted(overrides))
 
 
-def make_config(
-    *overrides: Mapping[str, Any] | Iterable[str] | None, limits: Mapping[str, float] | None = None
-) -> DictConfig:
-    """Defaults, then each override in order: a mapping (nested and/or dotted keys) or a
-    list of ``key=value`` strings. ``limits`` replaces upper bounds of ``RANGES``."""
+def _merged(overrides: tuple[Mapping[str, Any] | Iterable[str] | None, ...],
+            limits: Mapping[str, float] | None) -> DictConfig:
+    """Defaults, then each override in order, every key and value checked (not the rules that
+    span keys)."""
     merged = OmegaConf.create(DEFAULTS)
     for override in overrides:
         if override is None:
@@ -324,13 +323,31 @@ def make_config(
             merged = OmegaConf.merge(merged, tree)
         except Exception as exc:  # OmegaConf refuses some value shapes (e.g. a dict for a list)
             raise ConfigError(f"config: {exc}") from exc
-    validate(merged, limits)
+    check_values(merged, limits)
     return merged
 
 
-def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None:
-    """Types, choices and ranges of every key, then the cross-field rules a run would
-    otherwise trip over late (``opentinker/recipe/rules.py``)."""
+def make_config(
+    *overrides: Mapping[str, Any] | Iterable[str] | None, limits: Mapping[str, float] | None = None
+) -> DictConfig:
+    """Defaults, then each override in order: a mapping (nested and/or dotted keys) or a
+    list of ``key=value`` strings. ``limits`` replaces upper bounds of ``RANGES``. Every key,
+    then every rule across keys, is checked (ConfigError naming the key)."""
+    merged = _merged(overrides, limits)
+    RecipeSpec.from_config(merged)  # the rules across keys (opentinker/recipe/rules.py)
+    return merged
+
+
+def build_recipe(*overrides: Mapping[str, Any] | Iterable[str] | None, limits: Mapping[str, float] | None = None,
+                 mode: JobMode = "server", gpus: bool | None = None) -> RecipeSpec:
+    """The typed spec of ``overrides`` (as :func:`make_config` takes them): every key checked,
+    then every rule across keys, for a job of ``mode`` on a machine with GPUs or not (``gpus``
+    None: unknown, e.g. on a client). What a process parses once and passes on."""
+    return RecipeSpec.from_config(_merged(overrides, limits), mode=mode, gpus=gpus)
+
+
+def check_values(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None:
+    """Types, choices and ranges of every key of ``cfg``."""
     limits = dict(limits or {})
     # resolve=False: never evaluate an interpolation, even one that slipped past the checks.
     flat = _flat_keys(OmegaConf.to_container(cfg, resolve=False))
@@ -340,15 +357,6 @@ def validate(cfg: DictConfig, limits: Mapping[str, float] | None = None) -> None
         _check_type(key, VALID_KEYS[key], value)
         _check_choice(key, value)
         _check_range(key, value, limits)
-    RecipeSpec.from_config(cfg)
-
-
-def build_recipe(*overrides: Mapping[str, Any] | Iterable[str] | None, limits: Mapping[str, float] | None = None,
-                 mode: JobMode = "server", gpus: bool | None = None) -> RecipeSpec:
-    """The spec of ``overrides`` (as :func:`make_config` takes them, applied in order over the
-    defaults): every key checked (ConfigError naming it), then every cross-field rule. ``gpus``:
-    whether the machine that will train has GPUs (None: unknown, e.g. on a client)."""
-    return RecipeSpec.from_config(make_config(*overrides, limits=limits), mode=mode, gpus=gpus)
 
 
 def to_dotted(cfg: DictConfig) -> dict[str, Any]:

@@ -31,15 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from opentinker.client.errors import DatasetError, EnvironmentSetupError
 from opentinker.client.relay import local_problems, relayed_specs
-from opentinker.config import build_recipe, expand_dotted, make_config, parse_overrides
+from opentinker.config import build_recipe, expand_dotted, parse_overrides
 from opentinker.environments.gym_interaction import shard_urls
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import EnvCheckResult, JobCreate, JobMode
+from opentinker.recipe import RecipeSpec
 from opentinker.rows import row_shape_problem
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
     from opentinker.client.client import OpenTinkerClient
 
 __all__ = ["DataGenerator", "GenericEnvironment", "RowDataLoader", "load_rows", "validate_row"]
@@ -265,7 +264,8 @@ class GenericEnvironment:
         data_generator: DataGenerator | tuple[Callable[[int], Mapping[str, Any]], int] | Callable | None = None,
     ):
         self.config: dict[str, Any] = _config_tree(config)
-        self.resolved_config: DictConfig = make_config(self.config)  # raises ConfigError naming a bad key
+        # Parsed once here (ConfigError naming a bad key); a job's mode and steps are set on it.
+        self.recipe: RecipeSpec = build_recipe(self.config)
         specs = [s if isinstance(s, InteractionSpec) else InteractionSpec.model_validate(s) for s in interaction_specs or ()]
         names = [s.name for s in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -298,8 +298,8 @@ class GenericEnvironment:
     # ------------------------------------------------------------------ data
 
     def _default_generator_length(self, steps: int | None = None) -> int:
-        cfg = self.resolved_config
-        return cfg.data.train_batch_size * (steps or cfg.trainer.total_training_steps)
+        recipe = self.recipe
+        return recipe.data.train_batch_size * (steps or recipe.trainer.total_training_steps)
 
     def _loader_parts(
         self, source: Any, *, length: int | None = None, steps: int | None = None
@@ -353,7 +353,7 @@ class GenericEnvironment:
                 "or train on the server's built-in task (data.task) in server mode"
             )
         num_rows, get_row, label = self._loader_parts(source, length=length)
-        size = batch_size if batch_size is not None else int(self.resolved_config.data.train_batch_size)
+        size = batch_size if batch_size is not None else self.recipe.data.train_batch_size
         return RowDataLoader(num_rows, get_row, size, shuffle=shuffle, seed=seed, source=label)
 
     def train_rows(self, steps: int | None = None) -> list[Row] | None:
@@ -378,8 +378,8 @@ class GenericEnvironment:
 
     def step_batches(self) -> Iterator[list[Row]]:
         """Full batches of ``data.train_batch_size`` rows forever (client mode)."""
-        data = self.resolved_config.data
-        return self.get_dataloader(batch_size=int(data.train_batch_size), shuffle=bool(data.shuffle), seed=int(data.seed)).endless()
+        data = self.recipe.data
+        return self.get_dataloader(batch_size=data.train_batch_size, shuffle=data.shuffle, seed=data.seed).endless()
 
     # ------------------------------------------------------------------ server side
 
@@ -471,12 +471,13 @@ class GenericEnvironment:
 
     def job_create(self, mode: JobMode = "server", steps: int | None = None, name: str | None = None) -> JobCreate:
         """The ``POST /v1/jobs`` body for this environment."""
-        config = copy.deepcopy(self.config)
+        config, recipe = copy.deepcopy(self.config), self.recipe
         if steps is not None:
             if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
                 raise ValueError(f"steps must be a positive int, got {steps!r}")
             config.setdefault("trainer", {})["total_training_steps"] = steps
-        build_recipe(config, mode=mode)  # the rules the job's mode adds, before anything is sent
+            recipe = recipe.replaced("trainer.total_training_steps", steps)
+        recipe.for_job(mode)  # the rules the job's mode adds, before anything is sent
         if mode == "server":
             dataset = self.train_rows(steps)
         else:

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from opentinker.config import ConfigError, make_config
+from opentinker.config import ConfigError, build_recipe
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -33,21 +33,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
-        cfg = make_config(args.overrides)
+        recipe = build_recipe(args.overrides)  # parsed once; the trainer takes it as it is
     except ConfigError as error:
         print(f"opentinker-train: {error}", file=sys.stderr)
         return 2
-    from omegaconf import OmegaConf
-
     if args.print_config:
-        print(OmegaConf.to_yaml(cfg))
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.create(recipe.to_tree())))
         return 0
 
     from opentinker.engine.model_loading import ModelLoadError
     from opentinker.engine.trainer import RLTrainer
 
     try:
-        trainer = RLTrainer(cfg)
+        trainer = RLTrainer(recipe)
     except (ConfigError, ModelLoadError) as error:
         print(f"opentinker-train: {error}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from opentinker.config import make_config
+from opentinker.config import build_recipe
 from opentinker.engine.advantage_stage import AdvantageStage
 from opentinker.engine.agent_runner import environment_metrics, failure_summary
 from opentinker.engine.algorithms import get_advantage_estimator
@@ -354,9 +354,8 @@ def _print_warning(message: str) -> None:
 
 
 def train(overrides: Sequence[str] | dict | None = None, **trainer_kwargs) -> list[dict[str, float]]:
-    """Build the config from defaults + ``overrides`` and run :meth:`RLTrainer.fit`."""
-    cfg = make_config(overrides)
-    return RLTrainer(cfg, **trainer_kwargs).fit()
+    """Build the recipe from defaults + ``overrides`` and run :meth:`RLTrainer.fit`."""
+    return RLTrainer(build_recipe(overrides), **trainer_kwargs).fit()
 
 
 def config_summary(cfg: RecipeSpec) -> str:

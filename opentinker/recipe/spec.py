@@ -47,7 +47,12 @@ class RecipeSpec:
         """The spec of a config already checked key by key (``make_config``), with the
         cross-field rules applied; ConfigError naming the key when one fails."""
         tree = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-        spec = _typed(cls, {**tree, "mode": mode})
+        return _typed(cls, tree).for_job(mode, gpus=gpus)
+
+    def for_job(self, mode: JobMode, gpus: bool | None = None) -> RecipeSpec:
+        """This spec for a job of ``mode`` on a machine with GPUs or not (None: unknown), the
+        rules across keys checked for it (ConfigError naming the key)."""
+        spec = dataclasses.replace(self, mode=mode)
         problem = cross_field_problem(spec, gpus=gpus)
         if problem is not None:
             key, message = problem

@@ -9,7 +9,7 @@ A client's config is data, never a way to reach the server's disk, code, secrets
   of the operator's judge models (the server's API key goes nowhere else); the ``hf`` judge
   may only load a served model;
 - loggers that send data out with the server's credentials (wandb) need the operator's leave;
-- numeric config values stay within the operator's limits (``config.RANGES``);
+- numeric config values stay within the operator's limits (the ranges of ``opentinker config keys``);
 - interactions are resolved against the allowlist, and their env endpoints against the
   operator's :class:`~opentinker.environments.endpoints.EndpointPolicy`.
 
@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
-
-from opentinker.config import flatten, make_config, to_dotted
+from opentinker.config import build_recipe, flatten
 from opentinker.environments.endpoints import EndpointPolicy
+from opentinker.recipe import RecipeSpec
+from opentinker.recipe.components import JobMode
 
 TINY_MODEL_NAME = "opentinker-tiny-arith"  # engine.tiny.TINY_MODEL_NAME (not imported: no torch here)
 
@@ -110,9 +110,12 @@ class JobPolicy:
 
     # the client's config ---------------------------------------------------------------
 
-    def client_config(self, overrides: Mapping[str, Any]) -> DictConfig:
-        """The config a client asked for, checked against this policy, with the served-model
-        name filled in: what the job's info shows. Raises PolicyError or ConfigError."""
+    def client_recipe(self, overrides: Mapping[str, Any], mode: JobMode = "server",
+                      gpus: bool | None = None) -> RecipeSpec:
+        """The recipe a client asked for (parsed once), checked against this policy, with the
+        served-model and judge-model names filled in: what the job's info shows. ``mode`` and
+        ``gpus`` as :func:`~opentinker.config.build_recipe` takes them. Raises PolicyError or
+        ConfigError."""
         asked = flatten(overrides)
         if asked.get("trainer.default_local_dir") is not None:
             raise PolicyError(
@@ -132,26 +135,27 @@ class JobPolicy:
                 "config key 'actor_rollout_ref.model.trust_remote_code' is the server operator's choice per "
                 "served model (opentinker-server serve --trust-remote-code NAME); leave it out",
             )
-        cfg = make_config(overrides, limits=self.limits)
-        model = self.served_model(cfg.actor_rollout_ref.model.path)
-        cfg.actor_rollout_ref.model.path = model.name
-        if cfg.critic.model.path is not None:  # a served model's name too, never a folder
-            critic = self.served_model(cfg.critic.model.path, "config.critic.model.path")
+        spec = build_recipe(overrides, limits=self.limits, mode=mode, gpus=gpus)
+        model = self.served_model(spec.actor_rollout_ref.model.path)
+        spec = spec.replaced(_MODEL_KEY, model.name)
+        if spec.critic.model.path is not None:  # a served model's name too, never a folder
+            critic = self.served_model(spec.critic.model.path, "config.critic.model.path")
             if critic.path is None and model.path is not None:  # None means "the actor's model" to the trainer
                 raise PolicyError("config.critic.model.path", "critic.model.path: the embedded tiny model can only "
                                   "be the critic of itself; leave critic.model.path out for the actor's model")
-        self._check_judge(cfg)
-        refused = [name for name in cfg.trainer.logger if name not in self.loggers]
+        spec = self._checked_judge(spec)
+        refused = [name for name in spec.trainer.logger if name not in self.loggers]
         if refused:
             raise PolicyError(
                 "config.trainer.logger",
                 f"config key 'trainer.logger': {refused} not enabled on this server (allowed: "
                 f"{', '.join(self.loggers)}); the operator enables more with --allow-logger",
             )
-        return cfg
+        return spec
 
-    def _check_judge(self, cfg: DictConfig) -> None:
-        judge = cfg.algorithm.judge
+    def _checked_judge(self, spec: RecipeSpec) -> RecipeSpec:
+        """``spec`` with its judge checked against this server's, and the judge model named."""
+        judge = spec.algorithm.judge
         if judge.kind == "openai":
             if not self.judge_models:
                 raise PolicyError(
@@ -171,37 +175,41 @@ class JobPolicy:
                     "config key 'algorithm.judge.base_url' is chosen by the server operator (the judge is "
                     "called with the server's API key); leave it out",
                 )
-            judge.model = judge.model or self.judge_models[0]
-        elif judge.kind == "hf":
+            return spec.replaced(f"{_JUDGE}.model", judge.model or self.judge_models[0])
+        if judge.kind == "hf":
             self.served_model(judge.model, f"config.{_JUDGE}.model")
-        if judge.kind != "openai" and judge.base_url is not None:
+        if judge.base_url is not None:
             raise PolicyError(f"config.{_JUDGE}.base_url", "config key 'algorithm.judge.base_url' is only for kind 'openai'")
+        return spec
 
     # what the runner adds ------------------------------------------------------------------
 
-    def server_overrides(self, cfg: DictConfig, job_dir: str) -> dict[str, Any]:
-        """Overrides the runner applies on top of the client's config: the real model path and
-        its trust_remote_code, the judge's endpoint and model path, the job's own folder."""
-        model = self.served_model(cfg.actor_rollout_ref.model.path)
+    def server_overrides(self, spec: RecipeSpec, job_dir: str) -> dict[str, Any]:
+        """What the runner sets on top of the client's recipe: the real model path and its
+        trust_remote_code, the judge's endpoint and model path, the job's own folder."""
+        model = self.served_model(spec.actor_rollout_ref.model.path)
         overrides: dict[str, Any] = {
             _MODEL_KEY: model.path,
             "actor_rollout_ref.model.trust_remote_code": model.trust_remote_code,
             "trainer.default_local_dir": f"{job_dir}/{JOB_CHECKPOINTS}",
             "trainer.progress_bar": False,
         }
-        if cfg.critic.model.path is not None:
-            overrides["critic.model.path"] = self.served_model(cfg.critic.model.path).path
-        judge = cfg.algorithm.judge
+        if spec.critic.model.path is not None:
+            overrides["critic.model.path"] = self.served_model(spec.critic.model.path).path
+        judge = spec.algorithm.judge
         if judge.kind == "openai":
             overrides[f"{_JUDGE}.base_url"] = self.judge_base_url
         elif judge.kind == "hf" and judge.model is not None:
             overrides[f"{_JUDGE}.model"] = self.served_model(judge.model).path
         return overrides
 
-    def runner_config(self, client_overrides: Mapping[str, Any], job_dir: str) -> DictConfig:
-        """The config a runner trains with: the client's, re-checked, plus the server's."""
-        cfg = self.client_config(client_overrides)
-        return make_config(to_dotted(cfg), self.server_overrides(cfg, job_dir), limits=self.limits)
+    def runner_recipe(self, client_overrides: Mapping[str, Any], job_dir: str, mode: JobMode = "server") -> RecipeSpec:
+        """The recipe a runner trains with: the client's, checked again against this policy,
+        plus the server's own values (the operator's, not checked as a client's would be)."""
+        spec = self.client_recipe(client_overrides, mode=mode)
+        for key, value in self.server_overrides(spec, job_dir).items():
+            spec = spec.replaced(key, value)
+        return spec
 
     def interaction_context(self, job_id: str | None, relay: Any = None):
         """What a job's interactions may reach; ``relay``: the job's RelayHub (in its runner)."""

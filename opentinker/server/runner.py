@@ -170,12 +170,9 @@ class JobRunner(RelayDoor):
     def _build_trainer(self):
         from opentinker.engine.trainer import RLTrainer
         from opentinker.environments.registry import default_registry
-        from opentinker.recipe import RecipeSpec
-
         # The policy again, here where it counts: the client's config plus the operator's
         # model path, judge endpoint and job folder; env endpoints checked as they are built.
-        spec = RecipeSpec.from_config(self.policy.runner_config(self.spec.config, str(self.job_dir)),
-                                      mode=self.spec.mode)
+        spec = self.policy.runner_recipe(self.spec.config, str(self.job_dir), mode=self.spec.mode)
         # A new job starts fresh; a resumed one from the checkpoint the server chose (whose
         # step's events were published), never from a client-named path.
         spec = spec.replaced("trainer.resume_mode", "disable" if self.resume_from_step is None else str(

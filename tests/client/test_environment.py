@@ -50,7 +50,7 @@ def test_config_accepts_nested_dotted_and_string_overrides_and_names_bad_keys():
                               "actor_rollout_ref": {"actor.ppo_mini_batch_size": 4}})
     assert env.config == {"algorithm": {"adv_estimator": "rloo"}, "data": {"train_batch_size": 4},
                           "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}}}
-    assert env.resolved_config.data.train_batch_size == 4
+    assert env.recipe.data.train_batch_size == 4
     env = GenericEnvironment(["actor_rollout_ref.rollout.n=4", "data.train_batch_size=16"])
     assert env.config["actor_rollout_ref"]["rollout"]["n"] == 4
     with pytest.raises(ConfigError, match="did you mean 'actor_rollout_ref.rollout.temperature'"):

@@ -83,10 +83,10 @@ def test_2_judge_base_url_and_model_are_the_operators(start_server, tmp_path, he
         assert shown["algorithm.judge.model"] == "judge-b" and shown["algorithm.judge.base_url"] is None
         client.post(f"/v1/jobs/{job_id}/cancel")
     # What the job's runner trains with: the operator's endpoint, whatever the client sent.
-    runner_cfg = live.settings.job_policy.runner_config({**base, "algorithm.judge.model": "judge-b"}, str(tmp_path))
+    runner_cfg = live.settings.job_policy.runner_recipe({**base, "algorithm.judge.model": "judge-b"}, str(tmp_path))
     assert runner_cfg.algorithm.judge.base_url == "http://127.0.0.1:9/v1"
     with pytest.raises(ValueError, match="chosen by the server operator"):
-        live.settings.job_policy.runner_config({**base, "algorithm.judge.base_url": url}, str(tmp_path))
+        live.settings.job_policy.runner_recipe({**base, "algorithm.judge.base_url": url}, str(tmp_path))
     assert seen == []
 
 
@@ -130,13 +130,13 @@ def test_3_the_runner_gets_the_operators_path_and_code_switch(tmp_path):
     from opentinker.server.policy import parse_served_models
 
     policy = JobPolicy(models=parse_served_models(["qwen=/models/qwen", "/models/phi"], ["qwen"]))
-    cfg = policy.runner_config({"actor_rollout_ref.model.path": "qwen"}, str(tmp_path))
+    cfg = policy.runner_recipe({"actor_rollout_ref.model.path": "qwen"}, str(tmp_path))
     assert cfg.actor_rollout_ref.model.path == "/models/qwen" and cfg.actor_rollout_ref.model.trust_remote_code
-    default = policy.runner_config({}, str(tmp_path))
+    default = policy.runner_recipe({}, str(tmp_path))
     assert default.actor_rollout_ref.model.path == "/models/qwen"  # the first --model is the default
-    phi = policy.runner_config({"actor_rollout_ref.model.path": "/models/phi"}, str(tmp_path))
+    phi = policy.runner_recipe({"actor_rollout_ref.model.path": "/models/phi"}, str(tmp_path))
     assert phi.actor_rollout_ref.model.trust_remote_code is False
-    tiny = policy.runner_config({"actor_rollout_ref.model.path": TINY_MODEL_NAME}, str(tmp_path))
+    tiny = policy.runner_recipe({"actor_rollout_ref.model.path": TINY_MODEL_NAME}, str(tmp_path))
     assert tiny.actor_rollout_ref.model.path is None  # the embedded tiny model, built on first use
     assert cfg.trainer.default_local_dir == f"{tmp_path}/checkpoints"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 
-from opentinker.config import ConfigError, to_dotted
+from opentinker.config import ConfigError
 from opentinker.environments.registry import InteractionRegistry, UnknownInteractionError
 from opentinker.protocol import JobCreate, JobCreated, JobInfo, JobList, JobStatus
 from opentinker.recipe import RecipeSpec
@@ -77,7 +77,7 @@ async def check_rows(
         raise ApiError(400, "; ".join(found), {"field": field, "problems": found})
 
 
-async def _check_data(body: JobCreate, cfg: Any, classes: dict[str, type], tokenizers: Any) -> None:
+async def _check_data(body: JobCreate, recipe: RecipeSpec, classes: dict[str, type], tokenizers: Any) -> None:
     if body.mode == "client" and body.dataset is not None:
         raise ApiError(
             400,
@@ -85,18 +85,18 @@ async def _check_data(body: JobCreate, cfg: Any, classes: dict[str, type], token
             "send no dataset, or use mode 'server'",
             {"field": "dataset"},
         )
-    if not classes and not cfg.data.task:
+    if not classes and not recipe.data.task:
         raise ApiError(
             400,
             "config key 'data.task': a job without interactions is scored by a built-in task; "
             "set data.task (e.g. 'arithmetic') or give interactions",
             {"field": "config.data.task"},
         )
-    rules = RowRules(cfg.data.max_prompt_length, cfg.data.task, classes)
+    rules = RowRules(recipe.data.max_prompt_length, recipe.data.task, classes)
     for field, rows in (("dataset", body.dataset), ("val_dataset", body.val_dataset)):
         if rows is None:
             continue
-        await check_rows(rows, field, rules, tokenizers, cfg.actor_rollout_ref.model.path)
+        await check_rows(rows, field, rules, tokenizers, recipe.actor_rollout_ref.model.path)
 
 
 @router.post(
@@ -123,19 +123,18 @@ async def create_job(
     body = await read_model(request, JobCreate)
     policy = settings.job_policy
     try:
-        cfg = policy.client_config(body.config)
-        # The typed recipe's rules that depend on the job (its mode) and on this server (its GPUs).
-        RecipeSpec.from_config(cfg, mode=body.mode, gpus=manager.cluster.has_gpus())
+        # Parsed once, with the rules that depend on the job (its mode) and on this server (its GPUs).
+        recipe = policy.client_recipe(body.config, mode=body.mode, gpus=manager.cluster.has_gpus())
     except PolicyError as exc:
         raise ApiError(400, str(exc), {"field": exc.field}) from exc
     except ConfigError as exc:
         raise ApiError(400, str(exc), {"field": f"config.{exc.key}" if exc.key else "config"}) from exc
-    placement = manager.cluster.placement_problem(cfg)
+    placement = manager.cluster.placement_problem(recipe)
     if placement:
         raise ApiError(400, placement, {"field": "config.trainer.n_gpus_per_node"})
     # In a thread: checking an endpoint on the server's own port may wait for a DNS lookup.
     classes = await asyncio.to_thread(interaction_classes, body.interactions, registry, policy)
-    await _check_data(body, cfg, classes, request.app.state.tokenizers)
+    await _check_data(body, recipe, classes, request.app.state.tokenizers)
 
     # The rows as they came (wire_problem made them plain JSON): dumping them again would hold
     # the GIL for as long as decoding them did.
@@ -149,8 +148,8 @@ async def create_job(
             name=body.name,
             mode=body.mode,
             spec=spec,
-            config=to_dotted(cfg),
-            total_steps=int(cfg.trainer.total_training_steps),
+            config=recipe.to_dotted(),
+            total_steps=recipe.trainer.total_training_steps,
             idempotency_key=idempotency_key,
             max_unfinished=limit,
         )
