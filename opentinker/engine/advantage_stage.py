@@ -12,6 +12,7 @@ import torch
 from opentinker.engine.algorithms import masked_mean
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.ppo import explained_variance
+from opentinker.recipe.estimators import estimator_needs
 
 if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
@@ -45,7 +46,7 @@ class AdvantageStage:
         """The batch's advantages (and, with the critic's values, the returns) as tensors on it; metrics."""
         algorithm = self.algorithm
         labels, label_metrics = None, {}
-        if algorithm.adv_estimator.startswith("grpo_weighted"):
+        if estimator_needs(algorithm.adv_estimator).strategies:
             labels, label_metrics = self.strategy_labels(rollout)
         values = batch.tensors.get("old_values")
         advantages, returns, metrics = self.estimator(

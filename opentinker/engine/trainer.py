@@ -43,9 +43,7 @@ from opentinker.engine.step_metrics import rollout_metrics, token_count, validat
 from opentinker.engine.step_types import Rollout, Timer
 from opentinker.engine.step_warnings import StepWarnings
 from opentinker.engine.train_loop import fit_loop
-from opentinker.engine.trainer_parts import (
-    critic_backend, judge_from_config, rollout_engine, shared_gpu_warning, start_wandb,
-)
+from opentinker.engine.trainer_parts import critic_backend, judge_from_config, rollout_engine, start_wandb
 from opentinker.engine.update_stage import UpdateStage, to_batch
 from opentinker.environments.interaction import Interaction
 from opentinker.recipe import RecipeSpec
@@ -54,8 +52,7 @@ from opentinker.recipe import RecipeSpec
 if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
 
-__all__ = ["EnvironmentUnavailableError", "RLTrainer", "config_summary", "find_checkpoint",
-           "shared_gpu_warning", "train"]
+__all__ = ["EnvironmentUnavailableError", "RLTrainer", "config_summary", "find_checkpoint", "train"]
 
 StepCallback = Callable[[int, dict[str, float]], None]
 
@@ -78,8 +75,11 @@ class RLTrainer:
         strategy_judge: StrategyJudge | None = None,
         interactions: Mapping[str, Interaction] | None = None,
     ):
-        # The typed recipe (a checked config is typed here; its attributes are the dotted keys).
+        # The typed recipe (a checked config is typed here; its attributes are the dotted keys),
+        # its rules checked again now that the device is known (vLLM asynchronous on a GPU).
         cfg = cfg if isinstance(cfg, RecipeSpec) else RecipeSpec.from_config(cfg)
+        self.device = pick_device(cfg.trainer.device)
+        cfg = cfg.for_job(cfg.mode, gpus=self.device.type == "cuda")
         self.cfg = cfg
         torch.manual_seed(cfg.trainer.seed)
         self.interactions = dict(interactions or {})
@@ -88,7 +88,6 @@ class RLTrainer:
         self.reward_scorer = None if reward_fn is None else DeadlineScorer(reward_fn, cfg.reward_model.timeout_s)
 
         ar = cfg.actor_rollout_ref
-        self.device = pick_device(cfg.trainer.device)
         self.model_path = resolve_model_path(ar.model.path)
         self.tokenizer = load_tokenizer(self.model_path, ar.model.trust_remote_code)
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)

@@ -1,5 +1,5 @@
-"""Builders of a trainer's components from its recipe: the rollout engine, the critic's
-backend, the strategy judge and the wandb run. Each checks what only it can (a critic's
+"""Builders of a trainer's components from its recipe: the rollout engine (by its registered
+builder), the critic's backend, the strategy judge and the wandb run. Each checks what only it can (a critic's
 tokenizer, the engine's placement) and says why when it refuses."""
 
 from __future__ import annotations
@@ -10,21 +10,22 @@ import torch
 
 from opentinker.config import ConfigError
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
-from opentinker.engine.model_loading import load_causal_lm, load_tokenizer, resolve_model_path
-from opentinker.engine.rollout import RolloutEngine, make_rollout_engine
+from opentinker.engine.model_loading import load_tokenizer, resolve_model_path
+from opentinker.engine.rollout import RolloutBuild, RolloutEngine, rollout_engine_kind
 from opentinker.recipe import RecipeSpec
+from opentinker.recipe.estimators import estimator_needs
 
 if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
 
-__all__ = ["critic_backend", "judge_from_config", "rollout_engine", "shared_gpu_warning", "start_wandb"]
+__all__ = ["critic_backend", "judge_from_config", "rollout_engine", "start_wandb"]
 
 
 def critic_backend(cfg: RecipeSpec, model_path: str, tokenizer: Any) -> TrainingBackend | None:
-    """The value model (``algorithm.adv_estimator=gae`` only): ``critic.model.path`` (the
+    """The value model (an estimator that needs a critic: gae): ``critic.model.path`` (the
     actor's model by default) with a value head; it must read the actor's tokens, so its
     tokenizer must be the actor's."""
-    if cfg.algorithm.adv_estimator != "gae":
+    if not estimator_needs(cfg.algorithm.adv_estimator).critic:
         return None
     path = model_path if cfg.critic.model.path is None else resolve_model_path(cfg.critic.model.path)
     if path != model_path:
@@ -37,55 +38,16 @@ def critic_backend(cfg: RecipeSpec, model_path: str, tokenizer: Any) -> Training
 
 def rollout_engine(cfg: RecipeSpec, model_path: str, tokenizer: Any, eos_ids: Any, device: torch.device,
                    warnings: list[str]) -> RolloutEngine:
-    """``actor_rollout_ref.rollout.name``'s engine. Asynchronous training
-    (``async_training.max_staleness > 0``) with the transformers engine runs it in a process
-    of its own, so that it samples while the update runs; what the user should know about
-    that placement is appended to ``warnings``."""
-    ar = cfg.actor_rollout_ref
-    asynchronous = bool(cfg.async_training.max_staleness)
-    if ar.rollout.name == "vllm":
-        if asynchronous and device.type == "cuda" and ar.rollout.placement == "colocated":
-            raise ConfigError("async_training.max_staleness > 0 with vLLM on a GPU needs "
-                              "actor_rollout_ref.rollout.placement=separate (a colocated engine sleeps "
-                              "while the update runs; an asynchronous one keeps generating)")
-        return make_rollout_engine(
-            "vllm", model_path=model_path, seed=cfg.trainer.seed,
-            max_model_len=ar.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
-            gpu_memory_utilization=ar.rollout.gpu_memory_utilization,
-            tensor_parallel_size=ar.rollout.tensor_model_parallel_size, replicas=ar.rollout.replicas,
-            placement=ar.rollout.placement,
-            training_gpus=cfg.trainer.n_gpus_per_node if device.type == "cuda" else 0,
-            enable_prefix_caching=ar.rollout.enable_prefix_caching, device=device.type,
-            trust_remote_code=ar.model.trust_remote_code)
-    if asynchronous:
-        from opentinker.engine.rollout.remote import RemoteRolloutEngine
-
-        warning = shared_gpu_warning(device.type)
-        if warning:
-            warnings.append(warning)
-        if device.type == "cpu":  # one core for the engine: oversubscribed OpenMP threads spin
-            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
-        return RemoteRolloutEngine(
-            str(model_path), seed=cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size, threads=1,
-            device=device.type, trust_remote_code=ar.model.trust_remote_code,
-            compile_decode=ar.rollout.compile_decode, slot_decode=ar.rollout.slot_decode)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = load_causal_lm(model_path, dtype=dtype, device=device, trust_remote_code=ar.model.trust_remote_code)
-    return make_rollout_engine(
-        "transformers", model=model, eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
-        seed=cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size, tokenizer=tokenizer,
-        compile_decode=ar.rollout.compile_decode, slot_decode=ar.rollout.slot_decode)
-
-
-def shared_gpu_warning(device_type: str) -> str | None:
-    """What an asynchronous job with the transformers engine on a GPU is told: the rollout actor
-    would share the trainer's GPU, where two processes take turns instead of overlapping."""
-    if device_type != "cuda":
-        return None
-    return ("async_training.max_staleness > 0 puts the transformers rollout engine in a process beside the "
-            "trainer on the same GPU; their kernels take turns there, and such a run measured 0.65x the "
-            "synchronous steps/s on an H100 (benchmarks/README.md). Give the rollout GPUs of its own: "
-            "actor_rollout_ref.rollout.name=vllm with actor_rollout_ref.rollout.placement=separate")
+    """``actor_rollout_ref.rollout.name``'s engine, built by its registered builder
+    (``engine/rollout/builtin_engines.py``); what the user should know about its placement is
+    appended to ``warnings``."""
+    name = cfg.actor_rollout_ref.rollout.name
+    kind = rollout_engine_kind(name)
+    if cfg.async_training.max_staleness and not kind.samples_while_training:
+        raise ConfigError(f"async_training.max_staleness > 0 runs rollouts while the update runs, which the rollout "
+                          f"engine '{name}' cannot; use actor_rollout_ref.rollout.name=transformers or vllm, or "
+                          "max_staleness=0", key="async_training.max_staleness")
+    return kind.build(RolloutBuild(cfg, model_path, tokenizer, eos_ids, device, warnings))
 
 
 def judge_from_config(cfg: RecipeSpec, policy_model_path: str) -> StrategyJudge:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from opentinker.recipe.estimators import BUILTIN_ESTIMATORS
 from opentinker.recipe.knobs import knob, section
 
 JobMode = Literal["server", "client"]
@@ -225,8 +226,7 @@ class JudgeSpec:
 @dataclass(frozen=True)
 class AlgorithmSpec:
     adv_estimator: str = knob("grpo", "the advantage estimator (registered estimators are valid too)",
-                              choices=("gae", "grpo", "grpo_weighted_add", "grpo_weighted_mul", "rloo",
-                                       "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+                              choices=BUILTIN_ESTIMATORS)
     norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's reward std")
     gamma: float = knob(1.0, "GAE discount", range=(0, 1))
     lam: float = knob(1.0, "GAE lambda", range=(0, 1))

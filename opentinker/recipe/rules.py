@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from opentinker.recipe.estimators import estimator_needs
+
 if TYPE_CHECKING:
     from opentinker.recipe.spec import RecipeSpec
-
-ADV_ESTIMATORS_NEEDING_GROUPS = ("grpo", "grpo_weighted_add", "grpo_weighted_mul", "rloo")
 
 
 def cross_field_problem(spec: RecipeSpec, gpus: bool | None = None) -> tuple[str, str] | None:
@@ -17,7 +17,7 @@ def cross_field_problem(spec: RecipeSpec, gpus: bool | None = None) -> tuple[str
     data, ar, trainer = spec.data, spec.actor_rollout_ref, spec.trainer
     rollout, actor = ar.rollout, ar.actor
     estimator = spec.algorithm.adv_estimator
-    if estimator in ADV_ESTIMATORS_NEEDING_GROUPS and rollout.n < 2:
+    if estimator_needs(estimator).groups and rollout.n < 2:
         return "actor_rollout_ref.rollout.n", (f"algorithm.adv_estimator={estimator} compares the samples of one prompt, so it needs "
                 f"actor_rollout_ref.rollout.n >= 2 (got {rollout.n}); raise rollout.n or use "
                 "algorithm.adv_estimator=reinforce_plus_plus")

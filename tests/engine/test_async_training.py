@@ -168,7 +168,7 @@ def test_multi_turn_agent_loops_run_asynchronously_on_the_remote_engine(ray_sess
 
 
 def test_an_asynchronous_job_on_one_gpu_is_told_to_give_the_rollout_gpus_of_its_own():
-    from opentinker.engine.trainer_parts import shared_gpu_warning
+    from opentinker.engine.rollout.builtin_engines import shared_gpu_warning
 
     assert shared_gpu_warning("cpu") is None  # on CPU the actor has a core of its own
     warning = shared_gpu_warning("cuda")

@@ -27,6 +27,7 @@ import torch
 
 from opentinker.engine.algorithms.masked import masked_whiten
 from opentinker.engine.algorithms.registry import RegisteredNames, Registry
+from opentinker.recipe.estimators import EstimatorNeeds, declare_estimator
 
 AdvantageOutput = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
 AdvantageEstimatorFn = Callable[..., AdvantageOutput]
@@ -39,10 +40,19 @@ ADVANTAGE_ESTIMATORS = RegisteredNames(_REGISTRY)
 
 
 def register_advantage_estimator(
-    name: str, *, override: bool = False
+    name: str, *, needs: EstimatorNeeds | None = None, override: bool = False
 ) -> Callable[[AdvantageEstimatorFn], AdvantageEstimatorFn]:
-    """Decorator adding an estimator under ``name`` (see the module docstring for the signature)."""
-    return _REGISTRY.register(name, override=override)
+    """Decorator adding an estimator under ``name`` (see the module docstring for the signature).
+    ``needs``: what it needs from the recipe (groups of samples, a critic, strategy labels),
+    which the config's rules and the trainer then apply; a built-in's are in
+    ``opentinker/recipe/estimators.py``."""
+    register = _REGISTRY.register(name, override=override)
+
+    def decorator(fn: AdvantageEstimatorFn) -> AdvantageEstimatorFn:
+        declare_estimator(name, needs)
+        return register(fn)
+
+    return decorator
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimatorFn:

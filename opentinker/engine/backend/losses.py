@@ -44,6 +44,7 @@ from opentinker.engine.algorithms.kl import kl_penalty
 from opentinker.engine.algorithms.policy_losses import policy_token_losses
 from opentinker.engine.algorithms.rollout_correction import rollout_correction
 from opentinker.engine.batch import TokenBatch
+from opentinker.tinker_losses import TINKER_LOSSES
 
 Stats = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, Any], "torch.Tensor | None"],
@@ -64,7 +65,13 @@ _LOSSES: dict[str, LossSpec] = {}
 
 def register_loss(name: str, *, inputs: tuple[str, ...] = (), options: Mapping[str, Any] | None = None,
                   needs_entropy: Callable[[Mapping[str, Any]], bool] | None = None) -> Callable[[LossFn], LossFn]:
-    """Decorator adding a sum-reduced loss under ``name``."""
+    """Decorator adding a sum-reduced loss under ``name``. A loss the Tinker API offers takes
+    its inputs and options from ``opentinker/tinker_losses.py`` (declared there, once)."""
+    if name in TINKER_LOSSES:
+        if inputs or options:
+            raise ValueError(f"loss {name!r} is a Tinker loss: its inputs and options are declared in "
+                             "opentinker/tinker_losses.py")
+        inputs, options = TINKER_LOSSES[name].engine_inputs, TINKER_LOSSES[name].options
 
     def decorator(fn: LossFn) -> LossFn:
         _LOSSES[name] = LossSpec(name, fn, tuple(inputs), dict(options or {}),
@@ -136,15 +143,12 @@ def cross_entropy(logprobs, inputs, config, entropy):
     return -logprobs, {}
 
 
-@register_loss("importance_sampling", inputs=("old_logprobs", "advantages"))
+@register_loss("importance_sampling")
 def importance_sampling(logprobs, inputs, config, entropy):
     return -_ratio(logprobs, inputs) * inputs["advantages"], {}
 
 
-_THRESHOLDS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-
-
-@register_loss("ppo", inputs=("old_logprobs", "advantages"), options=_THRESHOLDS)
+@register_loss("ppo")
 def ppo(logprobs, inputs, config, entropy):
     ratio, advantages = _ratio(logprobs, inputs), inputs["advantages"]
     clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
@@ -152,14 +156,14 @@ def ppo(logprobs, inputs, config, entropy):
     return -objective, {"clipfrac": (clipped != ratio).to(logprobs.dtype)}
 
 
-@register_loss("cispo", inputs=("old_logprobs", "advantages"), options=_THRESHOLDS)
+@register_loss("cispo")
 def cispo(logprobs, inputs, config, entropy):
     ratio = _ratio(logprobs.detach(), inputs)
     weight = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
     return -weight * logprobs * inputs["advantages"], {"clipfrac": (weight != ratio).to(logprobs.dtype)}
 
 
-@register_loss("dro", inputs=("old_logprobs", "advantages"), options={"beta": 0.05})
+@register_loss("dro")
 def dro(logprobs, inputs, config, entropy):
     """Direct Reward Optimization (Richemond et al. 2024, arXiv 2405.19107), as Tinker's loss
     docs define ``dro`` (tinker-docs.thinkingmachines.ai/tinker/losses/dro):
@@ -171,7 +175,7 @@ def dro(logprobs, inputs, config, entropy):
     return -(logprobs * inputs["advantages"] - 0.5 * config["beta"] * penalty), {"dro_penalty": penalty.detach()}
 
 
-@register_loss("gspo", inputs=("old_logprobs", "advantages", "sequence_ratio_mask"), options=_THRESHOLDS)
+@register_loss("gspo")
 def gspo(logprobs, inputs, config, entropy):
     """GSPO-token (Zheng et al. 2025, arXiv 2507.18071), as Tinker's loss docs define ``gspo``
     (tinker-docs.thinkingmachines.ai/tinker/losses/gspo). Per datum (row),
@@ -190,7 +194,7 @@ def gspo(logprobs, inputs, config, entropy):
     return -objective, {"clipfrac": (clipped != ratio).to(logprobs.dtype)}
 
 
-@register_loss("stable_reinforce", inputs=("old_logprobs", "advantages"), options={"clip_high_threshold": 2.0})
+@register_loss("stable_reinforce")
 def stable_reinforce(logprobs, inputs, config, entropy):
     """Tinker's ``stable_reinforce`` (cookbook 0.6.1's default RL loss) is "a REINFORCE
     variant that stays stable even when the sampling policy differs from the policy being

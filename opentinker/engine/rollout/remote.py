@@ -69,7 +69,7 @@ class RemoteRolloutEngine:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         # On a GPU, beside the trainer (which Ray does not count) on the same device: the two
-        # take turns there, see shared_gpu_warning in engine/trainer.py.
+        # take turns there, see shared_gpu_warning in engine/rollout/builtin_engines.py.
         bundle = {"CPU": 1.0, **({"GPU": 0.5} if device == "cuda" else {})}
         # Placed first, with a deadline: an actor Ray cannot place would wait forever, and
         # loading a large model may take long, so the two waits are apart.

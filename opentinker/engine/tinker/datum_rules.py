@@ -8,9 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-#: Tinker's per-token input names -> the backend losses' names.
-INPUT_NAMES = {"weights": "weights", "logprobs": "old_logprobs", "advantages": "advantages",
-               "sequence_ratio_mask": "sequence_ratio_mask"}
+from opentinker.tinker_losses import INPUT_NAMES  # Tinker's per-token input names -> the engine's
 
 #: One datum as the server passes it: the model input's N token ids and the per-token inputs.
 Datum = tuple[np.ndarray, Mapping[str, np.ndarray]]

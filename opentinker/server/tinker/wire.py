@@ -21,6 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from opentinker.server.tinker.proto_budget import ParseBudgetError, check_parse_budget
+from opentinker.tinker_losses import TINKER_LOSSES
 
 
 def _sdk_proto_module():
@@ -38,18 +39,10 @@ def _sdk_proto_module():
 
 pb = _sdk_proto_module()
 
-#: The losses this server computes, with the per-token inputs each needs besides
-#: ``target_tokens`` and the options it takes (with defaults). Must agree with
-#: ``engine.backend.losses`` (a test checks); Tinker names its sampler logprobs ``logprobs``.
+#: The losses this server computes (opentinker/tinker_losses.py, which the engine's losses read
+#: too): the per-token inputs each needs besides ``target_tokens`` and its options with defaults.
 SUPPORTED_LOSSES: dict[str, tuple[tuple[str, ...], dict[str, float]]] = {
-    "cross_entropy": ((), {}),
-    "importance_sampling": (("logprobs", "advantages"), {}),
-    "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "dro": (("logprobs", "advantages"), {"beta": 0.05}),
-    "gspo": (("logprobs", "advantages", "sequence_ratio_mask"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "stable_reinforce": (("logprobs", "advantages"), {"clip_high_threshold": 2.0}),
-}
+    name: (loss.inputs, dict(loss.options)) for name, loss in TINKER_LOSSES.items()}
 #: Per-token inputs a datum may carry, and the dtype each must have.
 INPUT_DTYPES = {"target_tokens": "int64", "weights": "float32", "logprobs": "float32", "advantages": "float32",
                 "sequence_ratio_mask": "float32"}
