@@ -21,7 +21,13 @@ PROTOCOL_VERSION = 1
 
 MAX_JSON_DEPTH = 32  # nesting of objects and arrays in a request body
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
-CHECKPOINT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+CHECKPOINT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"  # one folder's name, never a path
+
+
+def step_checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint a run saves after ``step`` (verl's layout)."""
+    return f"global_step_{int(step)}"
+
 MAX_NAME_CHARS = 200
 MAX_INTERACTIONS = 256  # per job or env check
 

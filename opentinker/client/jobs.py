@@ -37,6 +37,7 @@ from opentinker.client.retries import (
     retry_transient,
 )
 from opentinker.protocol import (
+    CHECKPOINT_NAME_PATTERN,
     CheckpointInfo,
     CheckpointList,
     Event,
@@ -406,9 +407,8 @@ MAX_ARCHIVE_BYTES = 1 << 40  # 1 TiB
 _CHUNK_BYTES = 1 << 20
 _FILE_MODE = 0o644  # extracted files and folders get ordinary permissions (less the umask),
 _DIR_MODE = 0o755  # never the archive's modes or owners
-# The server's rule for checkpoint names (opentinker/server/routers/checkpoints.py), copied here
-# because the thin client imports no server code: plain folder names such as "global_step_20".
-_CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# The server's rule for checkpoint names: plain folder names such as "global_step_20".
+_CHECKPOINT_NAME = re.compile(CHECKPOINT_NAME_PATTERN)
 _DRIVE = re.compile(r"[A-Za-z]:")
 # What a broken or truncated (gzipped) tar stream raises while it is read.
 _CORRUPT = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)

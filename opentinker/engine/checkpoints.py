@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from opentinker.config import ConfigError
+from opentinker.protocol import step_checkpoint_name
 
 __all__ = ["ACTOR_STATE", "CRITIC_STATE", "LATEST_CHECKPOINT", "TRAINER_STATE", "find_checkpoint", "read_trainer_state",
            "write_checkpoint"]
@@ -26,7 +27,7 @@ def write_checkpoint(root: Path, step: int, backend: Any, tokenizer: Any, critic
     ``trainer_state.pt`` (step, data position, schedules, RNG: ``trainer_state``); the file
     ``latest_checkpointed_iteration.txt`` names the newest complete one. Returns the ``actor``
     folder."""
-    folder = root / f"global_step_{step}"
+    folder = root / step_checkpoint_name(step)
     actor = backend.export_hf(folder / "actor", tokenizer)
     backend.save_state(folder / ACTOR_STATE)
     if critic_backend is not None:
@@ -54,7 +55,7 @@ def find_checkpoint(resume_mode: str, root: str | None) -> Path | None:
         latest = Path(root) / LATEST_CHECKPOINT if root else None
         if latest is None or not latest.exists():
             return None
-        folder = Path(root) / f"global_step_{int(latest.read_text().strip())}"
+        folder = Path(root) / step_checkpoint_name(int(latest.read_text().strip()))
     else:
         folder = Path(resume_mode)
     if not (folder / TRAINER_STATE).exists():

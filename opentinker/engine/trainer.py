@@ -46,6 +46,7 @@ from opentinker.engine.train_loop import fit_loop
 from opentinker.engine.trainer_parts import critic_backend, judge_from_config, rollout_engine, start_wandb
 from opentinker.engine.update_stage import UpdateStage, to_batch
 from opentinker.environments.interaction import Interaction
+from opentinker.protocol import step_checkpoint_name
 from opentinker.recipe import RecipeSpec
 
 
@@ -302,7 +303,7 @@ class RLTrainer:
         if save or done or (trainer_cfg.save_freq > 0 and self.global_step % trainer_cfg.save_freq == 0):
             refusal = self.checkpoint_refusal()
             if refusal is not None:  # the step is trained and reported all the same
-                self.on_warning(f"checkpoint global_step_{self.global_step} was not saved: {refusal}")
+                self.on_warning(f"checkpoint {step_checkpoint_name(self.global_step)} was not saved: {refusal}")
             elif (path := self.save_checkpoint()) is not None:
                 metrics["checkpoint"] = str(path)
         return metrics

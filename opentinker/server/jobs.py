@@ -50,7 +50,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from opentinker.protocol import JobStatus
+from opentinker.protocol import JobStatus, step_checkpoint_name
 from opentinker.server.checkpoint_caps import JobCheckpointCaps
 from opentinker.server.ray_cluster import RayCluster
 from opentinker.server.redaction import Redaction
@@ -303,7 +303,7 @@ class JobManager:
         """Say where a resumed job continues; client mode: feed it the batches pushed after
         its checkpoint again (in step order: a threaded actor takes them by index anyway)."""
         again = f"; steps {step + 1} to {job.step} run again (no checkpoint after step {step})" if job.step > step else ""
-        self.store.append_event(job.job_id, "log", {"message": f"resuming from checkpoint global_step_{step}{again}"})
+        self.store.append_event(job.job_id, "log", {"message": f"resuming from checkpoint {step_checkpoint_name(step)}{again}"})
         active.trained_step = step
         for pushed, rows in self.store.pushed_rows_after(job.job_id, step):
             active.actor.push_batch.remote(pushed, rows)

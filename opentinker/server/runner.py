@@ -19,7 +19,7 @@ from typing import Any
 
 from opentinker.config import flatten
 from opentinker.environments.relay import RelayDoor, RelayHub
-from opentinker.protocol import JobCreate
+from opentinker.protocol import JobCreate, step_checkpoint_name
 from opentinker.server.policy import JobPolicy
 
 _BATCH_WAIT_S = 0.2  # how often a client-mode job waiting for a batch checks for cancel
@@ -176,7 +176,7 @@ class JobRunner(RelayDoor):
         # A new job starts fresh; a resumed one from the checkpoint the server chose (whose
         # step's events were published), never from a client-named path.
         spec = spec.replaced("trainer.resume_mode", "disable" if self.resume_from_step is None else str(
-            Path(spec.trainer.default_local_dir) / f"global_step_{self.resume_from_step}"))
+            Path(spec.trainer.default_local_dir) / step_checkpoint_name(self.resume_from_step)))
         registry = default_registry(allowed=self.policy.allowed_interactions)
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id, self.relay))
         return RLTrainer(spec, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
