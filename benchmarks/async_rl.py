@@ -68,7 +68,7 @@ GAP_STATS = ("rollout_is_mean", "rollout_is_std", "rollout_is_eff_sample_size", 
 
 def run(variant: str, steps: int, seed: int, extra: list[str]) -> dict[str, float]:
     from opentinker.config import make_config
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     cfg = make_config([*SETTINGS, f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
                        f"trainer.seed={seed}", *VARIANTS[variant], *extra])

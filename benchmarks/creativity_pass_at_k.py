@@ -14,7 +14,7 @@ import argparse
 import time
 
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 KS = (1, 2, 4, 8)
 

@@ -27,7 +27,7 @@ import torch
 from model_shapes import qwen25_05b_folder
 
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 CPU_SETTINGS = [
     "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=8",

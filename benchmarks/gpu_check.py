@@ -384,7 +384,7 @@ def check_adapters(state: dict) -> None:
 
 
 def run_recipe(check: str, overrides: list[str]) -> None:
-    from opentinker.engine.trainer import train
+    from opentinker.engine.ppo.trainer import train
 
     free_memory()
     steps = 4

@@ -120,7 +120,7 @@ def fmt_times(seconds: list[float]) -> str:
 # -- ours -------------------------------------------------------------------------------
 def run_ours(model_path: str, rows: list[dict], reward_fn, args: argparse.Namespace) -> dict:
     from opentinker.config import make_config
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     total = args.steps + 1
     overrides = [

@@ -51,7 +51,7 @@ import json, sys
 spec = json.loads(sys.argv[1])
 sys.path.insert(0, spec["root"])
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 def rewards(trainer):
     try:

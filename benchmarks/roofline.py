@@ -165,7 +165,7 @@ def matmul_shares(shape: Shape, prompt: float, response: float, turns: int = 5) 
 # -- the run ------------------------------------------------------------------------------------
 def timed_run(steps: int, tokens: int, compile_decode: bool, model: str | None = None) -> list[dict]:
     from opentinker.config import make_config
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     overrides = [
         *([f"actor_rollout_ref.model.path={model}"] if model else []),

@@ -30,7 +30,7 @@ import json, sys
 spec = json.loads(sys.argv[1])
 from opentinker.client.quickstart import SMOLLM2_CONFIG
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 config = {**SMOLLM2_CONFIG, "trainer.total_training_steps": spec["steps"], "trainer.test_freq": spec["steps"],
           "trainer.seed": spec["seed"], "data.seed": spec["seed"], "actor_rollout_ref.actor.optim.lr": spec["lr"],

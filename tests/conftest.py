@@ -130,7 +130,7 @@ def _start_heldout_run(folder, *overrides: str, lr: float = 3e-5):
     metrics_file, stderr_file = folder / "metrics.jsonl", folder / "stderr.txt"
     with open(stderr_file, "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "opentinker.engine.train_cli",
+            [sys.executable, "-m", "opentinker.engine.ppo.cli",
              "trainer.total_training_steps=60", "trainer.test_freq=60", "data.val_batch_size=200",
              f"actor_rollout_ref.actor.optim.lr={lr}", "actor_rollout_ref.actor.use_kl_loss=true",
              "trainer.seed=0", "trainer.progress_bar=false", f"--metrics-out={metrics_file}", *overrides],

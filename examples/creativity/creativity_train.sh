@@ -39,7 +39,7 @@ MODEL_ARGS=()
 CLASSIFY=true
 [ "$ADV_ESTIMATOR" = "grpo" ] && CLASSIFY=false
 
-"$PYTHON" -m opentinker.engine.train_cli \
+"$PYTHON" -m opentinker.engine.ppo.cli \
     algorithm.adv_estimator="$ADV_ESTIMATOR" \
     algorithm.enable_solution_classification="$CLASSIFY" \
     algorithm.weight_power=0.7 \

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 from opentinker.environments.games import BUILTIN_ENVIRONMENTS
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.server import running_env_server

@@ -213,7 +213,7 @@ class Interaction(ABC):
     # Instances left open at the env by a failure: an interaction whose instances live on its
     # env server until finalized (the gym protocol) keeps those whose finalize could not reach
     # the server and finalizes them again before the next step; a job's runner keeps their ids
-    # on disk (``engine/env_instances.py``), so that a restarted runner finalizes what the
+    # on disk (``engine/ppo/env_instances.py``), so that a restarted runner finalizes what the
     # previous process left open. By default there is nothing: an instance ends with its
     # connection (an OpenEnv session), or lives in this process.
 

@@ -168,7 +168,7 @@ class JobRunner(RelayDoor):
                     trainer.close()
 
     def _build_trainer(self):
-        from opentinker.engine.trainer import RLTrainer
+        from opentinker.engine.ppo.trainer import RLTrainer
         from opentinker.environments.registry import default_registry
         # The policy again, here where it counts: the client's config plus the operator's
         # model path, judge endpoint and job folder; env endpoints checked as they are built.

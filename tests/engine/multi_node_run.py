@@ -21,7 +21,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 COMMON = [
     "actor_rollout_ref.actor.strategy=fsdp",

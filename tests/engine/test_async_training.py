@@ -12,7 +12,7 @@ import torch
 
 from opentinker.config import ConfigError, make_config
 from opentinker.engine.rollout.base import named_tensors
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 FAST = [
     "data.train_batch_size=2",

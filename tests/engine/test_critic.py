@@ -15,7 +15,7 @@ from opentinker.engine.algorithms import get_advantage_estimator
 from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.backend.losses import resolve_loss, weighted_loss
 from opentinker.engine.batch import TokenBatch
-from opentinker.engine.ppo import explained_variance
+from opentinker.engine.ppo.policy_update import explained_variance
 
 from .test_trainer import FAST
 
@@ -126,7 +126,7 @@ def test_a_lora_critic_trains_its_adapters_and_its_head(tiny_model_dir, tiny_tok
 
 
 def test_ppo_with_gae_trains_a_critic_and_resumes_it(tiny_model_dir, tmp_path):
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     overrides = ["algorithm.adv_estimator=gae", *FAST, "trainer.test_freq=-1", "critic.optim.lr=1e-3",
                  f"trainer.default_local_dir={tmp_path}", "trainer.save_freq=2", "trainer.critic_warmup=1"]
@@ -184,7 +184,7 @@ def test_ppo_with_gae_raises_heldout_accuracy_of_the_warm_tiny_model(heldout_run
 def test_ppo_with_gae_and_the_actor_on_two_fsdp_ranks_trains_as_in_one_process(ray_session, tiny_model_dir):
     """Three GAE steps with the actor on 2 FSDP ranks (the critic local) give the metrics of the
     same steps with the actor in one process: the same samples, losses, gradients and values."""
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     overrides = ["algorithm.adv_estimator=gae", *FAST, "trainer.test_freq=-1", "trainer.total_training_steps=3",
                  "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-4", "trainer.seed=0"]

@@ -11,7 +11,7 @@ from opentinker.config import ConfigError, build_recipe
 from opentinker.engine.algorithms import register_advantage_estimator
 from opentinker.engine.rollout import RolloutBuild, register_rollout_engine, rollout_engine_kind
 from opentinker.engine.rollout.builtin_engines import transformers_engine
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 from opentinker.recipe.estimators import EstimatorNeeds
 
 FAST = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "actor_rollout_ref.rollout.n": 4,

@@ -15,7 +15,7 @@ from opentinker.engine.algorithms.policy_losses import SEQUENCE_AGGREGATED_LOSSE
 from opentinker.engine.backend import LocalBackend
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import load_causal_lm
-from opentinker.engine.ppo import PPOUpdate, lr_factor, loss_weights
+from opentinker.engine.ppo.policy_update import PPOUpdate, lr_factor, loss_weights
 
 
 class GradCapture(LocalBackend):

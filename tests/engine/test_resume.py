@@ -13,7 +13,7 @@ import torch
 
 from opentinker.config import ConfigError, make_config
 from opentinker.engine.model_loading import load_causal_lm
-from opentinker.engine.checkpoints import find_checkpoint
+from opentinker.engine.ppo.checkpoints import find_checkpoint
 
 pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
 
@@ -26,7 +26,7 @@ CONFIG = [
 RUN = textwrap.dedent("""
     import json, os, sys
     from opentinker.config import make_config
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
     overrides, out, stop_after = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 
     def on_step(step, metrics):

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from opentinker.config import make_config
-from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer, RewardTimeoutError
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.reward_deadline import TIMED_OUT, DeadlineScorer, RewardTimeoutError
+from opentinker.engine.ppo.trainer import RLTrainer
 from opentinker.environments.interaction import Interaction
 
 NEVER = threading.Event()  # never set: a call waiting on it hangs forever

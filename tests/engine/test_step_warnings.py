@@ -7,9 +7,9 @@ from __future__ import annotations
 from opentinker.config import make_config
 from opentinker.engine.agent_loop import Trajectory
 from opentinker.engine.data import Prompt
-from opentinker.engine.step_types import Rollout
-from opentinker.engine.step_warnings import REPEAT_EVERY, StepWarnings
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.step import StepSamples
+from opentinker.engine.ppo.step_warnings import REPEAT_EVERY, StepWarnings
+from opentinker.engine.ppo.trainer import RLTrainer
 from opentinker.environments.games import ArithmeticEnv
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.server import running_env_server
@@ -76,12 +76,12 @@ def test_episodes_lost_to_the_envs_own_errors_are_said_at_each_step(tiny_model_d
     assert [m["env/arith/env_errors"] for m in history] == [2, 2]
 
 
-def _rollout(rewards: list[float], prompts: list[list[int]]) -> Rollout:
+def _rollout(rewards: list[float], prompts: list[list[int]]) -> StepSamples:
     trajectories = [Trajectory(prompt_ids=ids, response_ids=[1], response_mask=[1], rollout_logprobs=[0.0],
                                reward=reward, turn_rewards=[reward], num_turns=1, stop_reason="env_done", messages=[])
                     for reward, ids in zip(rewards, prompts)]
     prompt_rows = [Prompt(uid=f"p{i // 2}", prompt_ids=ids, row={}) for i, ids in enumerate(prompts)]
-    return Rollout(prompt_rows, trajectories, [""] * len(rewards), [None] * len(rewards))
+    return StepSamples(prompt_rows, trajectories, [""] * len(rewards), [None] * len(rewards))
 
 
 def test_a_lasting_condition_is_repeated_every_so_many_steps_and_its_end_said_once():

@@ -11,7 +11,7 @@ import torch
 from opentinker.config import ConfigError, make_config
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import ModelLoadError
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 
 pytestmark = pytest.mark.heavy  # minutes: scheduled first (tests/conftest.py)
 
@@ -76,7 +76,7 @@ def test_a_pushed_batch_larger_than_a_mini_batch_is_trained_off_policy(tiny_mode
 
 def test_cli_rejects_unknown_keys_with_a_suggestion():
     result = subprocess.run(
-        [sys.executable, "-m", "opentinker.engine.train_cli", "actor_rollout_ref.rollout.temprature=0.5"],
+        [sys.executable, "-m", "opentinker.engine.ppo.cli", "actor_rollout_ref.rollout.temprature=0.5"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
@@ -85,7 +85,7 @@ def test_cli_rejects_unknown_keys_with_a_suggestion():
 
 def test_cli_rejects_grpo_with_one_sample():
     result = subprocess.run(
-        [sys.executable, "-m", "opentinker.engine.train_cli", "actor_rollout_ref.rollout.n=1"],
+        [sys.executable, "-m", "opentinker.engine.ppo.cli", "actor_rollout_ref.rollout.n=1"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2 and "rollout.n >= 2" in result.stderr

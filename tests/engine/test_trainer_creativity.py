@@ -8,8 +8,8 @@ import pytest
 
 from opentinker.config import make_config
 from opentinker.creativity import make_judge
-from opentinker.engine.step_metrics import pass_at_k
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.step_metrics import pass_at_k
+from opentinker.engine.ppo.trainer import RLTrainer
 
 FAST = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=8",
         "data.val_batch_size=8", "trainer.progress_bar=false", "trainer.test_freq=-1"]

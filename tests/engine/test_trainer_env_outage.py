@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from opentinker.config import make_config
-from opentinker.engine.env_outage import EnvOutage
-from opentinker.engine.trainer import EnvironmentUnavailableError, RLTrainer
+from opentinker.engine.ppo.env_outage import EnvOutage
+from opentinker.engine.ppo.trainer import EnvironmentUnavailableError, RLTrainer
 from opentinker.environments.endpoints import EndpointPolicy
 from opentinker.environments.games import ArithmeticEnv
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction, check_endpoint
@@ -329,7 +329,7 @@ def test_a_step_that_lost_some_episodes_to_an_outage_is_redone_whole_not_trained
 def test_env_instances_a_killed_process_left_open_are_finalized_by_the_next_one(tiny_model_dir, tmp_path):
     """The run's folder journals the instances of the step in flight: a process killed mid-step
     leaves their ids there, and the next process of the run finalizes them before its first step."""
-    from opentinker.engine.env_instances import EnvInstanceJournal
+    from opentinker.engine.ppo.env_instances import EnvInstanceJournal
 
     with running_env_server(ArithmeticEnv) as (url,):
         left = [f"orphan-{i}" for i in range(3)]

@@ -7,7 +7,7 @@ import torch
 import pytest
 
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 from opentinker.environments.games import ArithmeticEnv, GuessNumberEnv
 from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.server import running_env_server

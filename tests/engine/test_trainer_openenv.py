@@ -8,7 +8,7 @@ import time
 import pytest
 
 from opentinker.config import make_config
-from opentinker.engine.trainer import RLTrainer
+from opentinker.engine.ppo.trainer import RLTrainer
 from opentinker.environments.openenv_interaction import OpenEnvInteraction
 
 from ..environments.openenv_server import running_openenv_server

@@ -203,7 +203,7 @@ def test_every_replica_gets_the_weights(tiny_model_dir, arithmetic_prompt_ids):
 
 def test_grpo_with_vllm_rollout_raises_heldout_accuracy(trainers_use_the_module_engine):
     """The seeded 60-step run of the ``heldout_run`` fixture (tests/conftest.py), in this process."""
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     trainer = RLTrainer(make_config([
         "actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=60", "trainer.test_freq=60",
@@ -222,7 +222,7 @@ def test_grpo_with_vllm_rollout_raises_heldout_accuracy(trainers_use_the_module_
 
 
 def test_agent_loops_run_through_vllm(trainers_use_the_module_engine):
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
     from opentinker.environments.games import ArithmeticEnv
     from opentinker.environments.gym_interaction import GymEnvironmentInteraction
     from opentinker.environments.server import running_env_server
@@ -267,7 +267,7 @@ def test_asynchronous_training_with_the_vllm_engine(trainers_use_the_module_engi
     """max_staleness=1 with vLLM (its engine core is a process of its own): the weights of step
     s reach the engine between rollouts, step 1 samples with the weights it trains (the gap
     is vLLM's numerics only) and later steps one version behind."""
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     trainer = RLTrainer(make_config([
         "actor_rollout_ref.rollout.name=vllm", "async_training.max_staleness=1", "trainer.total_training_steps=3",

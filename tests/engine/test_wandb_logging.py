@@ -14,7 +14,7 @@ import pytest
 wandb = pytest.importorskip("wandb")
 
 from opentinker.config import make_config  # noqa: E402
-from opentinker.engine.trainer import RLTrainer  # noqa: E402
+from opentinker.engine.ppo.trainer import RLTrainer  # noqa: E402
 
 FAST = [
     "data.train_batch_size=2",

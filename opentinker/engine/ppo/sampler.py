@@ -9,14 +9,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentinker.engine.agent_loop import AgentLoopConfig
-from opentinker.engine.agent_runner import AgentLoopRunner, single_turn_trajectory
+from opentinker.engine.ppo.agent_runner import AgentLoopRunner, single_turn_trajectory
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.data import Prompt
-from opentinker.engine.env_instances import EnvInstanceJournal
-from opentinker.engine.env_outage import PROBE_TIMEOUT_S, EnvOutage, unreachable_endpoints
-from opentinker.engine.reward_deadline import TIMED_OUT, DeadlineScorer
+from opentinker.engine.ppo.env_instances import EnvInstanceJournal
+from opentinker.engine.ppo.env_outage import PROBE_TIMEOUT_S, EnvOutage, unreachable_endpoints
+from opentinker.engine.ppo.reward_deadline import TIMED_OUT, DeadlineScorer
 from opentinker.engine.rollout import AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams
-from opentinker.engine.step_types import Rollout, Timer
+from opentinker.engine.ppo.step import StepSamples, Timer
 from opentinker.environments.interaction import Interaction
 from opentinker.recipe import RecipeSpec
 
@@ -71,7 +71,7 @@ class RolloutSampler:
             ignore_eos=False if validation else rollout.ignore_eos,
         )
 
-    def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
+    def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> StepSamples:
         """Sample ``samples_per_prompt`` responses to each prompt and score them.
 
         With interactions every sample is a (possibly multi-turn) agent loop whose reward
@@ -82,7 +82,7 @@ class RolloutSampler:
         if self.agent_loops is not None:
             trajectories, names = self.agent_loops.run(per_sample, params)  # (step_warnings names env errors)
             texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
-            return Rollout(per_sample, trajectories, texts, names)
+            return StepSamples(per_sample, trajectories, texts, names)
         completions = self.engine.generate([p.prompt_ids for p in per_sample], params)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         rewards = self.reward_scorer.score([(text, p.row) for p, text in zip(per_sample, texts)])
@@ -98,10 +98,10 @@ class RolloutSampler:
             self.warn(f"reward function {self.reward_scorer.name} ran past reward_model.timeout_s="
                             f"{self.reward_scorer.timeout_s:g} s on {len(timed_out)} of {len(rewards)} samples; "
                             "they are left out of this step")
-        return Rollout(per_sample, trajectories, texts, [None] * len(per_sample))
+        return StepSamples(per_sample, trajectories, texts, [None] * len(per_sample))
 
-    def through_outages(self, generate: Callable[..., Rollout], prompts: Sequence[Prompt], timer: Timer,
-                        step_number: int) -> tuple[Rollout, EnvOutage | None]:
+    def through_outages(self, generate: Callable[..., StepSamples], prompts: Sequence[Prompt], timer: Timer,
+                        step_number: int) -> tuple[StepSamples, EnvOutage | None]:
         """Step ``step_number``'s rollout (``generate``) on its whole batch: while any of its samples
         failed because an env server could not be reached (an outage, a dropped relay, a broken
         session, a server at capacity for too long), wait until every such server's /health

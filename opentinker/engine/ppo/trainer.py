@@ -3,13 +3,13 @@
 A step is: rollout (n samples per prompt) -> rewards -> old/ref logprobs -> advantages ->
 update -> weight sync -> metrics. Everything heavy sits behind two objects: the
 ``TrainingBackend`` (the training primitives: forward, forward_backward, optim_step,
-weights) that the PPO recipe (``engine/ppo.py``) drives, and the ``RolloutEngine`` (sampling).
+weights) that the PPO recipe (``engine/ppo/policy_update.py``) drives, and the ``RolloutEngine`` (sampling).
 
 Samples that cannot be trained on (excluded trajectories: errors of the env's own without an
 ``env_error_reward``, env prompts that are too long; and any whose env failed before the
 model spoke) leave the batch before advantages. A step any of whose samples failed because an
 env server could not be reached is waited out and redone whole, never trained on the rest
-(``engine/env_outage.py``; ``trainer.env_outage_timeout_s``). A step left with nothing for any
+(``engine/ppo/env_outage.py``; ``trainer.env_outage_timeout_s``). A step left with nothing for any
 other reason (the env answered with errors of its own, prompts too long) is skipped: it still counts
 (``global_step`` advances; ``train/skipped``, ``skip_reason``), and
 ``trainer.max_consecutive_empty_steps`` skipped steps in a row raise
@@ -26,25 +26,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from opentinker.config import build_recipe
-from opentinker.engine.advantage_stage import AdvantageStage
-from opentinker.engine.agent_runner import environment_metrics, failure_summary
+from opentinker.engine.ppo.advantage_stage import AdvantageStage
+from opentinker.engine.ppo.agent_runner import environment_metrics, failure_summary
 from opentinker.engine.algorithms import get_advantage_estimator
 from opentinker.engine.backend import BackendSpec, TrainingBackend, make_backend
 from opentinker.engine.batch import TokenBatch
-from opentinker.engine.checkpoints import find_checkpoint, read_trainer_state, write_checkpoint
+from opentinker.engine.ppo.checkpoints import find_checkpoint, read_trainer_state, write_checkpoint
 from opentinker.engine.data import Prompt, PromptLoader, RewardFn, builtin_task, tokenize_rows
-from opentinker.engine.env_outage import EnvironmentUnavailableError, EnvOutage
+from opentinker.engine.ppo.env_outage import EnvironmentUnavailableError, EnvOutage
 from opentinker.engine.model_loading import eos_token_ids, load_tokenizer, pick_device, resolve_model_path
-from opentinker.engine.reward_deadline import DeadlineScorer
+from opentinker.engine.ppo.reward_deadline import DeadlineScorer
 from opentinker.engine.rollout import RolloutEngine
-from opentinker.engine.rollout_sources import PipelinedRollouts, RolloutSource, StepRollouts
-from opentinker.engine.sampling import RolloutSampler
-from opentinker.engine.step_metrics import rollout_metrics, token_count, validation_metrics
-from opentinker.engine.step_types import Rollout, Timer
-from opentinker.engine.step_warnings import StepWarnings
-from opentinker.engine.train_loop import fit_loop
-from opentinker.engine.trainer_parts import critic_backend, judge_from_config, rollout_engine, start_wandb
-from opentinker.engine.update_stage import UpdateStage, to_batch
+from opentinker.engine.ppo.rollout_sources import PipelinedRollouts, RolloutSource, StepRollouts
+from opentinker.engine.ppo.sampler import RolloutSampler
+from opentinker.engine.ppo.step_metrics import rollout_metrics, token_count, validation_metrics
+from opentinker.engine.ppo.step import StepSamples, Timer
+from opentinker.engine.ppo.step_warnings import StepWarnings
+from opentinker.engine.ppo.fit_loop import fit_loop
+from opentinker.engine.ppo.builders import critic_backend, judge_from_config, rollout_engine, start_wandb
+from opentinker.engine.ppo.update_stage import UpdateStage, to_batch
 from opentinker.environments.interaction import Interaction
 from opentinker.protocol import step_checkpoint_name
 from opentinker.recipe import RecipeSpec
@@ -141,7 +141,7 @@ class RLTrainer:
         self.loader = iter(PromptLoader(self.train_prompts, data.train_batch_size, data.shuffle, data.seed))
 
     # -- phases --------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> Rollout:
+    def generate(self, prompts: Sequence[Prompt], samples_per_prompt: int, validation: bool = False) -> StepSamples:
         """Sample ``samples_per_prompt`` responses to each prompt and score them (the sampler's)."""
         return self.sampler.generate(prompts, samples_per_prompt, validation)
 
@@ -152,7 +152,7 @@ class RLTrainer:
         """Stream the backend's weights into the rollout engine, bucket by bucket."""
         self.rollout.update_weights(self.backend.weights())
 
-    def rollout_through_outages(self, prompts: Sequence[Prompt], timer: Timer) -> tuple[Rollout, EnvOutage | None]:
+    def rollout_through_outages(self, prompts: Sequence[Prompt], timer: Timer) -> tuple[StepSamples, EnvOutage | None]:
         """The step's rollout, env outages waited out and the step redone (the sampler's)."""
         return self.sampler.through_outages(self.generate, prompts, timer, self.global_step + 1)
 
@@ -198,7 +198,7 @@ class RLTrainer:
             **staleness,
         }
 
-    def train_on(self, rollout: Rollout, timer: Timer) -> tuple[TokenBatch, dict[str, float]]:
+    def train_on(self, rollout: StepSamples, timer: Timer) -> tuple[TokenBatch, dict[str, float]]:
         """The update stage on ``rollout``, between the rollout source's two hooks (the
         engine sleeps through the update, or keeps sampling; then it gets the new weights)."""
         batch = to_batch(rollout)
@@ -208,7 +208,7 @@ class RLTrainer:
             self.rollouts.after_update(self.global_step + 1)
         return batch, metrics
 
-    def skip_step(self, full_rollout: Rollout, timer: Timer) -> dict[str, Any]:
+    def skip_step(self, full_rollout: StepSamples, timer: Timer) -> dict[str, Any]:
         """A step with nothing to train on though its env servers answer (they answered with
         errors of their own, e.g. HTTP 500 from a broken env; or every prompt was too long):
         counted as a step (client-mode jobs index steps by number) with ``train/skipped`` 1.0

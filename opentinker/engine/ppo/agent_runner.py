@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
 from opentinker.engine.chat import ChatTemplater
-from opentinker.engine.env_instances import EnvInstanceJournal
+from opentinker.engine.ppo.env_instances import EnvInstanceJournal
 from opentinker.engine.rollout import AsyncCompletions, Completion, RequestBatcher, SamplingParams
 from opentinker.environments.gym_interaction import check_endpoint
 from opentinker.environments.interaction import EnvironmentServerError, Interaction
@@ -51,7 +51,7 @@ class AgentLoopRunner:
 
     Env instances a failure left open are finalized before each step: those an interaction
     could not finalize (its server was unreachable) and, through ``journal``, those a killed
-    process of the same run had open (:mod:`opentinker.engine.env_instances`).
+    process of the same run had open (:mod:`opentinker.engine.ppo.env_instances`).
     """
 
     def __init__(

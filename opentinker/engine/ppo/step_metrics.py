@@ -10,12 +10,12 @@ import torch
 from opentinker.engine.batch import TokenBatch
 
 if TYPE_CHECKING:
-    from opentinker.engine.step_types import Rollout
+    from opentinker.engine.ppo.step import StepSamples
 
 __all__ = ["pass_at_k", "rollout_metrics", "token_count", "validation_metrics"]
 
 
-def rollout_metrics(rollout: Rollout, batch: TokenBatch) -> dict[str, float]:
+def rollout_metrics(rollout: StepSamples, batch: TokenBatch) -> dict[str, float]:
     """Reward and length statistics of a step's rollout."""
     rewards = torch.tensor(rollout.rewards)
     lengths = batch.response_mask.sum(-1)
@@ -37,7 +37,7 @@ def token_count(batch: TokenBatch) -> int:
     return sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
 
 
-def validation_metrics(rollout: Rollout, samples: int) -> dict[str, float]:
+def validation_metrics(rollout: StepSamples, samples: int) -> dict[str, float]:
     """Accuracy (mean of reward > 0) and mean reward of a validation rollout of ``samples``
     samples per prompt, ``val/excluded`` for samples left out (env errors), and pass@k for
     k = 1, 2, 4, ... up to ``samples`` when there are several; a metric with no sample to

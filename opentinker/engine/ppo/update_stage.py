@@ -8,19 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.config import ConfigError
-from opentinker.engine.advantage_stage import AdvantageStage
+from opentinker.engine.ppo.advantage_stage import AdvantageStage
 from opentinker.engine.backend import TrainingBackend
 from opentinker.engine.batch import TokenBatch
-from opentinker.engine.checkpoints import ACTOR_STATE, CRITIC_STATE
-from opentinker.engine.correction import sampler_gap_metrics, without_rejected
-from opentinker.engine.ppo import CriticUpdate, PPOUpdate
-from opentinker.engine.step_types import Rollout, Timer
+from opentinker.engine.ppo.checkpoints import ACTOR_STATE, CRITIC_STATE
+from opentinker.engine.ppo.correction import sampler_gap_metrics, without_rejected
+from opentinker.engine.ppo.policy_update import CriticUpdate, PPOUpdate
+from opentinker.engine.ppo.step import StepSamples, Timer
 from opentinker.recipe import RecipeSpec
 
 __all__ = ["UpdateStage", "to_batch"]
 
 
-def to_batch(rollout: Rollout) -> TokenBatch:
+def to_batch(rollout: StepSamples) -> TokenBatch:
     """The rollout's trajectories as one padded batch, with the sampler's logprobs."""
     trajectories = rollout.trajectories
     batch = TokenBatch.from_responses(
@@ -42,7 +42,7 @@ class UpdateStage:
         self.advantages = advantages
         self.asynchronous = asynchronous  # samples may come from older policies: report the gap
 
-    def run(self, batch: TokenBatch, rollout: Rollout, timer: Timer, steps_done: int) -> dict[str, float]:
+    def run(self, batch: TokenBatch, rollout: StepSamples, timer: Timer, steps_done: int) -> dict[str, float]:
         """Fill ``batch``'s tensors, update the critic and the actor; the metrics."""
         temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
         self.before_logprobs(batch, timer, temperature)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from opentinker.engine.agent_runner import env_endpoint_of
-from opentinker.engine.step_types import Rollout
+from opentinker.engine.ppo.agent_runner import env_endpoint_of
+from opentinker.engine.ppo.step import StepSamples
 
 __all__ = ["StepWarnings"]
 
@@ -59,12 +59,12 @@ class StepWarnings:
         self._constant = _Condition()
         self._identical = _Condition()
 
-    def check(self, step: int, rollout: Rollout) -> None:
+    def check(self, step: int, rollout: StepSamples) -> None:
         self._lost_episodes(step, rollout)
         self._constant_rewards(step, rollout)
         self._identical_prompts(step, rollout)
 
-    def _lost_episodes(self, step: int, rollout: Rollout) -> None:
+    def _lost_episodes(self, step: int, rollout: StepSamples) -> None:
         failed = [t for t in rollout.trajectories if t.stop_reason == "env_error"]
         if not failed:
             return
@@ -78,7 +78,7 @@ class StepWarnings:
                   f"own and are {kept} ({', '.join(f'{url} x{count}' for url, count in where.most_common(5))}"
                   f"{f'; {timed_out} ran past their interaction timeout_s' if timed_out else ''}); last error: {last}")
 
-    def _constant_rewards(self, step: int, rollout: Rollout) -> None:
+    def _constant_rewards(self, step: int, rollout: StepSamples) -> None:
         rewards = [rollout.trajectories[i].reward for i in rollout.trainable()]
         value = rewards[0] if rewards else None
         said = self._constant.update(len(rewards) > 1 and all(r == value for r in rewards), step)
@@ -90,7 +90,7 @@ class StepWarnings:
         elif said == "ended":
             self.warn(f"step {step}: rewards differ again")
 
-    def _identical_prompts(self, step: int, rollout: Rollout) -> None:
+    def _identical_prompts(self, step: int, rollout: StepSamples) -> None:
         by_uid = {prompt.uid: i for i, prompt in enumerate(rollout.prompts)}
         texts = {tuple(rollout.trajectories[i].prompt_ids) for i in by_uid.values()
                  if rollout.trajectories[i].prompt_ids}

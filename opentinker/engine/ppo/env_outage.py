@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from opentinker.engine.agent_runner import env_endpoint_of
+from opentinker.engine.ppo.agent_runner import env_endpoint_of
 
 if TYPE_CHECKING:
     from opentinker.engine.agent_loop import Trajectory

@@ -11,12 +11,12 @@ import torch
 
 from opentinker.engine.algorithms import masked_mean
 from opentinker.engine.batch import TokenBatch
-from opentinker.engine.ppo import explained_variance
+from opentinker.engine.ppo.policy_update import explained_variance
 from opentinker.recipe.estimators import estimator_needs
 
 if TYPE_CHECKING:
     from opentinker.creativity import StrategyJudge
-    from opentinker.engine.step_types import Rollout
+    from opentinker.engine.ppo.step import StepSamples
     from opentinker.recipe.components import AlgorithmSpec
 
 __all__ = ["AdvantageStage", "question_of"]
@@ -42,7 +42,7 @@ class AdvantageStage:
                 token_rewards[row, position] = reward
         return token_rewards
 
-    def compute(self, batch: TokenBatch, rollout: Rollout) -> dict[str, float]:
+    def compute(self, batch: TokenBatch, rollout: StepSamples) -> dict[str, float]:
         """The batch's advantages (and, with the critic's values, the returns) as tensors on it; metrics."""
         algorithm = self.algorithm
         labels, label_metrics = None, {}
@@ -71,7 +71,7 @@ class AdvantageStage:
                             "critic/explained_variance": explained_variance(values, returns, mask)})
         return metrics
 
-    def strategy_labels(self, rollout: Rollout) -> tuple[list[Any], dict[str, float]]:
+    def strategy_labels(self, rollout: StepSamples) -> tuple[list[Any], dict[str, float]]:
         """One strategy label per sample from the judge; ``None`` (weight 1) where a sample is not
         classified: no judge, an incorrect response under ``classify_only_correct``, or a group the
         judge failed on (a fallback, counted in ``creativity/judge_fallbacks``)."""
@@ -98,7 +98,7 @@ class AdvantageStage:
         return labels, metrics
 
 
-def question_of(rollout: Rollout, index: int) -> str:
+def question_of(rollout: StepSamples, index: int) -> str:
     """The user's question of a sample (its first user message), for the strategy judge."""
     for message in rollout.trajectories[index].messages or rollout.prompts[index].row.get("prompt") or []:
         if message.get("role") == "user":

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from opentinker.engine.async_rollouts import RolloutPipeline
+from opentinker.engine.ppo.async_rollouts import RolloutPipeline
 from opentinker.engine.rollout.base import RolloutEngine, WeightSource
-from opentinker.engine.step_types import Timer
+from opentinker.engine.ppo.step import Timer
 
 __all__ = ["PipelinedRollouts", "RolloutSource", "StepRollouts"]
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from opentinker.engine.model_loading import ModelLoadError
-    from opentinker.engine.trainer import RLTrainer
+    from opentinker.engine.ppo.trainer import RLTrainer
 
     try:
         trainer = RLTrainer(recipe)
