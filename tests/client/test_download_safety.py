@@ -20,7 +20,7 @@ import pytest
 
 from opentinker.client import OpenTinkerError, UnsafeArchiveError
 from opentinker.client import jobs as jobs_module
-from opentinker.client.jobs import MAX_ARCHIVE_BYTES, MAX_ARCHIVE_MEMBERS, extract_tar_safely
+from opentinker.client.checkpoint_archive import MAX_ARCHIVE_BYTES, MAX_ARCHIVE_MEMBERS, extract_tar_safely
 from opentinker.protocol import CheckpointInfo, JobCreate
 
 # ---------------------------------------------------------------------- helpers

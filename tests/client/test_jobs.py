@@ -21,7 +21,7 @@ from opentinker.client import (
 )
 from opentinker.client import event_stream
 from opentinker.client import JobHandle, OpenTinkerClient
-from opentinker.client.jobs import extract_tar_safely
+from opentinker.client.checkpoint_archive import extract_tar_safely
 from opentinker.protocol import CheckpointInfo, JobCreate, JobStatus
 
 ROW = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}
