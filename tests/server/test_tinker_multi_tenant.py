@@ -69,7 +69,7 @@ def workers(server) -> dict[str, int]:
     worker of their own."""
     import ray
 
-    from opentinker.server.tinker.host import OwnWorker
+    from opentinker.server.tinker.workers import OwnWorker
 
     host = server.app.state.tinker.host
     bases = host.shared_bases()

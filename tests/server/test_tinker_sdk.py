@@ -326,7 +326,7 @@ LONG = [1 + (7 * i) % 900 for i in range(257)]  # a datum of 256 tokens: 16 of t
 
 
 def test_a_models_next_request_reaches_the_worker_while_the_previous_one_runs(server, keys, session, monkeypatch):
-    from opentinker.server.tinker.host import SharedBase
+    from opentinker.server.tinker.workers import SharedBase
 
     tc = session().lora()
     before = logprobs_of(tc, datum())

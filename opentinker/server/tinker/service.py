@@ -34,7 +34,8 @@ from opentinker.server.store import Store
 from opentinker.server.tinker.checkpoint_quota import CheckpointQuota, QuotaExceeded, Usage
 from opentinker.server.tinker.completions import CompletionFeeds
 from opentinker.server.tinker.futures import FutureTable
-from opentinker.server.tinker.host import HostSettings, TinkerHost, UserError
+from opentinker.server.tinker.host import HostSettings, TinkerHost
+from opentinker.server.tinker.workers import UserError
 from opentinker.server.tinker.model_facts import (
     ModelFactsCache,
     estimated_adapter_bytes,

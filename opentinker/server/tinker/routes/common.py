@@ -17,7 +17,7 @@ from opentinker.server.revocation import note_credential
 from opentinker.server.store import User
 from opentinker.server.tinker import openapi
 from opentinker.server.tinker.openapi import errors
-from opentinker.server.tinker.host import UserError
+from opentinker.server.tinker.workers import UserError
 from opentinker.server.tinker.service import TinkerService
 from opentinker.server.tinker.state import CheckpointRow, ModelRow
 

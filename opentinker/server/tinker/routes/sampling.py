@@ -13,7 +13,7 @@ from opentinker.server.tinker import schemas, wire
 from opentinker.server.tinker.openapi import errors
 from opentinker.engine.tinker import DEFAULT_MAX_TOKENS
 from opentinker.server.tinker.futures import PROTOBUF
-from opentinker.server.tinker.host import UserError, await_ref
+from opentinker.server.tinker.workers import UserError, await_ref
 from opentinker.server.tinker.sample_budget import OverBudget
 from opentinker.server.tinker.service import TinkerService
 from opentinker.server.tinker.state import SamplerRow
@@ -140,7 +140,7 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
 
 async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str, cost: int,
                   feed: tuple[str, int] | None) -> None:
-    from opentinker.server.tinker.host import failure
+    from opentinker.server.tinker.workers import failure
 
     try:
         actor = await svc.host.sampler(served.name, served.path, served.trust_remote_code)

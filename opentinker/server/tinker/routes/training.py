@@ -18,7 +18,7 @@ from opentinker.server.store import User
 from opentinker.server.tinker import openapi, schemas, wire
 from opentinker.server.tinker.openapi import errors
 from opentinker.server.tinker.futures import JSON, PROTOBUF
-from opentinker.server.tinker.host import UserError
+from opentinker.server.tinker.workers import UserError
 from opentinker.server.tinker.checkpoint_quota import QuotaExceeded
 from opentinker.server.tinker.service import ServerFull, TinkerService
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow, unembed_adapted
