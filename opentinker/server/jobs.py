@@ -41,8 +41,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +52,7 @@ from opentinker.protocol import JobStatus, step_checkpoint_name
 from opentinker.server.checkpoint_caps import JobCheckpointCaps
 from opentinker.server.ray_cluster import RayCluster
 from opentinker.server.redaction import Redaction
+from opentinker.server.runner_reports import final_status, normalize_events, ray_failure_reason
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import JobRecord, Store
 
@@ -62,7 +61,6 @@ log = logging.getLogger("opentinker.server.jobs")
 RAY_NAMESPACE = "opentinker"
 ACTOR_MAX_CONCURRENCY = 8
 DEFAULT_RUNNER = "opentinker.server.runner.JobRunner"
-_RUNNER_EVENT_TYPES = ("progress", "metrics", "checkpoint", "error", "log")
 
 
 class JobNotActiveError(RuntimeError):
@@ -86,70 +84,6 @@ def _load_default_runner() -> type:
 def _ref_future(ref: Any) -> asyncio.Future:
     """An asyncio future for an ObjectRef, bound to the running loop."""
     return asyncio.wrap_future(ref.future())
-
-
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def ray_failure_reason(exc: BaseException) -> str:
-    """A short account of a Ray failure: the runner's own exception when there is one."""
-    if isinstance(exc, RayTaskError):
-        cause = getattr(exc, "cause", None)
-        if cause is not None:
-            return f"{type(cause).__name__}: {cause}"
-        return _last_line(str(exc))
-    if isinstance(exc, RayActorError):
-        text = _ANSI_ESCAPE.sub("", str(exc))
-        if exc.actor_init_failed:  # the message ends with the constructor's exception
-            return f"the job's runner failed to start: {_last_line(text)}"
-        # Skip Ray's fixed first line and its tab-indented ids; keep the exit detail.
-        lines = [line.strip() for line in text.splitlines()[1:] if line.strip() and not line.startswith("\t")]
-        detail = " ".join(lines)
-        if len(detail) > 300:
-            detail = detail[:300] + "..."
-        return "the job's runner process died" + (f": {detail}" if detail else "")
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in _ANSI_ESCAPE.sub("", text).splitlines() if line.strip()]
-    return lines[-1] if lines else text
-
-
-def _jsonable(value: Any) -> Any:
-    """Runner data as plain JSON: numpy/torch scalars unwrapped, NaN/inf as null (strict
-    JSON has neither), anything else unknown as its string."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    item = getattr(value, "item", None)
-    if callable(item):
-        with contextlib.suppress(Exception):
-            return _jsonable(item())
-    return str(value)
-
-
-def normalize_events(raw: Any) -> list[dict[str, Any]]:
-    """Runner events as ``{"type", "data"}`` with a known type. A runner cannot emit
-    ``status`` (the manager owns the job's status) or invent types: those become ``log``."""
-    events: list[dict[str, Any]] = []
-    for event in raw or []:
-        if not isinstance(event, dict):
-            events.append({"type": "log", "data": {"message": str(event)}})
-            continue
-        type_ = event.get("type")
-        data = event.get("data")
-        data = _jsonable(data) if isinstance(data, dict) else {"value": _jsonable(data)}
-        if type_ not in _RUNNER_EVENT_TYPES:
-            data = {"message": f"runner event of type {type_!r}", "type": str(type_), "data": data}
-            type_ = "log"
-        events.append({"type": type_, "data": data})
-    return events
 
 
 @dataclass
@@ -488,23 +422,6 @@ class JobManager:
             log.warning("job %s: the runner did not stop within %ss of the cancel; killing it", active.job_id, grace)
             task.cancel()
 
-
-
-def final_status(result: Any) -> tuple[JobStatus, str | None, int | None]:
-    """A runner's ``run()`` answer as the job's final (status, error, step); one that breaks
-    the contract (not a dict, an unknown or non-final status) is a failure saying so."""
-    if not isinstance(result, dict):
-        return JobStatus.FAILED, f"the runner's run() returned {result!r}, not a dict", None
-    try:
-        status = JobStatus(result.get("status"))
-    except ValueError:
-        status = JobStatus.FAILED
-        result = {**result, "error": f"the runner's run() returned unknown status {result.get('status')!r}"}
-    if not status.finished or status is JobStatus.INTERRUPTED:
-        status = JobStatus.FAILED
-        result = {**result, "error": f"the runner's run() returned non-final status {result.get('status')!r}"}
-    step, error = result.get("step"), result.get("error")
-    return status, str(error) if error else None, step if isinstance(step, int) else None
 
 
 def _kill(active: _ActiveJob) -> None:

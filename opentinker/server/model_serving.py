@@ -26,7 +26,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from opentinker.protocol import CHECKPOINT_NAME_PATTERN, JOB_ID_PATTERN
 from opentinker.server.deps import checkpoint_folder
 from opentinker.server.errors import ApiError, not_found
-from opentinker.server.jobs import JobManager, ray_failure_reason
+from opentinker.server.jobs import JobManager
+from opentinker.server.runner_reports import ray_failure_reason
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store, User
 

@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.datum_rules import DatumError, check_datums
 from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
-from opentinker.server.jobs import ray_failure_reason
+from opentinker.server.runner_reports import ray_failure_reason
 
 if TYPE_CHECKING:
     from opentinker.server.tinker.host import HostSettings
