@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from opentinker.client.errors import DatasetError, EnvironmentSetupError
 from opentinker.client.relay import local_problems, relayed_specs
 from opentinker.config import build_recipe, expand_dotted, parse_overrides
-from opentinker.environments.gym_interaction import shard_urls
+from opentinker.environments.env_routing import shard_urls
 from opentinker.environments.registry import InteractionSpec
 from opentinker.protocol import EnvCheckResult, JobCreate, JobMode
 from opentinker.recipe import RecipeSpec

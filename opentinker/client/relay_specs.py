@@ -52,7 +52,7 @@ class Route:
 
 
 def _shards(spec: InteractionSpec) -> tuple[str, ...]:
-    from opentinker.environments.gym_interaction import shard_urls
+    from opentinker.environments.env_routing import shard_urls
 
     return tuple(shard_urls(spec.config.get("env_endpoint"), spec.config.get("env_shards")))
 

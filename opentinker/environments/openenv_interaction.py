@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from opentinker.environments.env_replies import (
     MAX_ERROR_CHARS, UNAVAILABLE_STATUSES, answer_json, bounded, join_url, reply_problem,
 )
-from opentinker.environments.gym_interaction import RoutedEnvServers, env_route
+from opentinker.environments.env_routing import RoutedEnvServers, env_route
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
     TRUNCATED,

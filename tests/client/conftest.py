@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from opentinker.client import OpenTinkerClient
-from opentinker.environments.gym_interaction import shard_urls
+from opentinker.environments.env_routing import shard_urls
 from opentinker.environments.registry import default_registry
 from opentinker.environments.server import bind_listening_socket
 from opentinker.protocol import (

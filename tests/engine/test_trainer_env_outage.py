@@ -29,7 +29,8 @@ from opentinker.engine.ppo.env_outage import EnvOutage
 from opentinker.engine.ppo.trainer import EnvironmentUnavailableError, RLTrainer
 from opentinker.environments.endpoints import EndpointPolicy
 from opentinker.environments.games import ArithmeticEnv
-from opentinker.environments.gym_interaction import GymEnvironmentInteraction, check_endpoint
+from opentinker.environments.env_routing import check_endpoint
+from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments.interaction import EnvironmentServerError
 from opentinker.environments.server import running_env_server
 from opentinker.server.policy import JobPolicy

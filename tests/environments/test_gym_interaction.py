@@ -23,11 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from opentinker.environments.endpoints import EndpointError, EndpointPolicy
-from opentinker.environments.gym_interaction import (
-    GymEnvironmentInteraction,
-    check_endpoint,
-    shard_urls,
-)
+from opentinker.environments.env_routing import check_endpoint, shard_urls
+from opentinker.environments.gym_interaction import GymEnvironmentInteraction
 from opentinker.environments import env_http
 from opentinker.environments.interaction import EnvironmentServerError, InitialObservation, InteractionContext
 from opentinker.environments.server import create_env_app, running_app_servers

@@ -18,7 +18,7 @@ from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.ppo.env_instances import EnvInstanceJournal
 from opentinker.engine.rollout import AsyncCompletions, Completion, RequestBatcher, SamplingParams
-from opentinker.environments.gym_interaction import check_endpoint
+from opentinker.environments.env_routing import check_endpoint
 from opentinker.environments.interaction import EnvironmentServerError, Interaction
 from opentinker.environments.registry import select_interaction
 
