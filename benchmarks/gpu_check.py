@@ -247,7 +247,7 @@ def check_fsdp(state: dict) -> None:
 
     from opentinker.engine.backend import BackendSpec
     from opentinker.engine.backend.base import AdamParams
-    from opentinker.engine.backend.fsdp import FSDPRank
+    from opentinker.engine.backend.fsdp_rank import FSDPRank
 
     free_memory()
     with socket.socket() as sock:

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.backend.fsdp import build_sharded_model, join_process_group, place_ranks
+from opentinker.engine.backend.fsdp import place_ranks
+from opentinker.engine.backend.fsdp_rank import build_sharded_model, join_process_group
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.placement import PLACEMENT_TIMEOUT_S
