@@ -51,7 +51,10 @@ import json, sys
 spec = json.loads(sys.argv[1])
 sys.path.insert(0, spec["root"])
 from opentinker.config import make_config
-from opentinker.engine.ppo.trainer import RLTrainer
+try:
+    from opentinker.engine.ppo.trainer import RLTrainer
+except ImportError:  # --compare-with a commit from before engine/ppo/
+    from opentinker.engine.trainer import RLTrainer
 
 def rewards(trainer):
     try:
