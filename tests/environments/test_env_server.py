@@ -104,7 +104,7 @@ def test_reset_step_finalize_round_trip(server):
 
 def test_health_keeps_counters_for_a_bounded_number_of_job_ids(server):
     """Job ids come from clients: 300 of them leave the newest MAX_TRACKED_JOBS in /health."""
-    from opentinker.environments.server import MAX_TRACKED_JOBS
+    from opentinker.environments.env_table import MAX_TRACKED_JOBS
 
     _, client = server
     for i in range(MAX_TRACKED_JOBS + 44):
