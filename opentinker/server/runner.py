@@ -99,13 +99,15 @@ class JobRunner(RelayDoor):
     def serve(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Completion events (``opentinker.engine.serving.stream_completions``) from the job's
         current weights; called as a Ray streaming generator. Waits for a running step to end."""
-        from opentinker.engine.serving import ServeRequest, stream_completions
-
         with self._between_steps:
             trainer = self._trainer
             if trainer is None:
                 state = "has stopped (its last checkpoint is served instead)" if self._stopped else "is loading its model"
                 raise NotServingError(f"job {self.job_id} {state}; try again shortly")
+            # Imported once the trainer is built: while run() still imports transformers in its
+            # thread, a second thread importing it too can find its lazy module half made.
+            from opentinker.engine.serving import ServeRequest, stream_completions
+
             yield from stream_completions(trainer.rollout, trainer.tokenizer, ServeRequest.from_dict(request))
 
     # -- the job -------------------------------------------------------------------

@@ -49,7 +49,7 @@ def trainers_use_the_module_engine(engine, tiny_model_dir, monkeypatch):
     """An RLTrainer made in the test gets the module's engine (asked for by its config) instead
     of starting one; its close() leaves the engine running, and the engine gets its original
     weights back afterwards."""
-    from opentinker.engine import trainer
+    from opentinker.engine.ppo import trainer
     from opentinker.engine.model_loading import load_causal_lm
 
     def module_engine(cfg, *args):

