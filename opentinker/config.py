@@ -42,13 +42,6 @@ def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 _KEYS = list(knobs_of(RecipeSpec))
 
 
-def _tree(flat: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        _set_dotted(tree, key, value)
-    return tree
-
-
 #: Every valid key and its default (read off the recipe's schema, ``opentinker/recipe/components.py``).
 VALID_KEYS: dict[str, Any] = {info.key: info.default for info in _KEYS}
 _SECTIONS = {key.rsplit(".", 1)[0] for key in VALID_KEYS if "." in key}
@@ -145,8 +138,8 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
-#: The defaults as one nested tree (what every config starts from).
-DEFAULTS: dict[str, Any] = _tree(VALID_KEYS)
+#: The defaults as one nested tree (what every config starts from): the schema's own defaults.
+DEFAULTS: dict[str, Any] = RecipeSpec().to_tree()
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Every config a job cannot train with is refused by ``POST /v1/jobs`` with a 400 naming the key,
 before a job exists: ranges, types, nulls, unknown keys, choices and the rules that span keys
-(opentinker/recipe.py), on a live server."""
+(opentinker/recipe/rules.py), on a live server."""
 
 from __future__ import annotations
 
