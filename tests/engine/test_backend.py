@@ -134,6 +134,59 @@ def test_packed_attention_is_each_sequences_own_causal_attention(kv_heads):
         torch.testing.assert_close(mine, theirs)
 
 
+def _varlen_of(version: str):
+    """A stand-in for torch's varlen flash kernel (CUDA only) with the signature ``version`` had,
+    computing what that kernel does: per-sequence attention, causal only when asked."""
+    F = torch.nn.functional
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, causal=False, gqa=False):
+        if q.shape[1] != k.shape[1] and not gqa:
+            raise RuntimeError(f"{version}: Hq={q.shape[1]} != Hkv={k.shape[1]} without enable_gqa")
+        bounds = cu_q.tolist()
+        return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=causal,
+                                                         scale=scale, enable_gqa=gqa).transpose(0, 1)
+                          for a, b in zip(bounds, bounds[1:])])
+
+    if version == "2.10":
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal)
+    elif version == "2.11":
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=tuple(window_size) == (-1, 0))
+    else:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                        enable_gqa=False, seqused_k=None):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=tuple(window_size) == (-1, 0),
+                          gqa=enable_gqa)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.11", "2.13"])
+def test_packed_flash_call_fits_each_torch_signature(monkeypatch, version):
+    """The varlen kernel's keywords changed between torch releases (causal: ``is_causal`` then
+    ``window_size``; GQA: ``enable_gqa`` only from 2.12): the H200's torch 2.11 refused
+    ``enable_gqa``. Each signature gets causal attention of each sequence, GQA included."""
+    import torch.nn.attention.varlen as varlen_module
+
+    from opentinker.engine.backend import packed_attention as packing
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", _varlen_of(version))
+    packing._varlen_parameters.cache_clear()
+    try:
+        torch.manual_seed(0)
+        lengths, total = [5, 1, 7, 3], 16
+        q, k, v = torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+        cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+        ours = packing.causal_varlen(q, k, v, cu, 7, 0.3)
+    finally:
+        packing._varlen_parameters.cache_clear()
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = (document[:, None] == document[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(ours, expected.transpose(0, 1))
+
+
 @pytest.mark.parametrize("lora", [[], ["actor_rollout_ref.model.lora_rank=4"]])
 def test_packed_rows_give_the_padded_rows_loss_and_gradients(make_backend, grouped_batch, monkeypatch, lora):
     """use_remove_padding: the micro-batch's rows packed into one row, each sequence's attention

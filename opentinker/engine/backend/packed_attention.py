@@ -13,6 +13,8 @@ boundaries (padded rows, the shared-prefix layout's KV cache) is transformers' o
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -47,17 +49,39 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     # Under autocast the rotary embedding hands over float32 queries; sdpa would cast them.
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
     if query.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        from torch.nn.attention.varlen import varlen_attn
-
         q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [T, heads, D]
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                          window_size=(-1, 0), enable_gqa=gqa)
-        return out.unsqueeze(0), None
+        return causal_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
     bounds = cu_seq_lens_q.tolist()
     pieces = [F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
                                              is_causal=True, scale=scaling, enable_gqa=gqa)
               for start, end in zip(bounds, bounds[1:])]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, longest: int,
+                  scale: float | None) -> torch.Tensor:
+    """Causal attention of each packed sequence, ``[T, heads, D]`` in and out, by torch's varlen
+    flash kernel, whichever of its signatures this torch has: causal is ``window_size=(-1, 0)``
+    since 2.11 and ``is_causal=True`` in 2.10; without ``enable_gqa`` (2.11, seen on the GPU
+    node) grouped keys and values are repeated to the queries' heads."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    takes = _varlen_parameters()
+    extra: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in takes:
+            extra["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, scale=scale, **extra)
 
 
 def _register() -> None:
