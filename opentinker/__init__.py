@@ -5,8 +5,7 @@ transformers or ray (``tests/test_client_imports.py`` keeps it so). The training
 engine lives in :mod:`opentinker.engine` and is only imported on the server.
 """
 
-__version__ = "0.1.0"
-
+from opentinker.version import __version__  # noqa: E402
 from opentinker.client import GenericEnvironment, JobHandle, OpenTinkerClient  # noqa: E402
 from opentinker.environments.registry import InteractionSpec  # noqa: E402
 

@@ -57,6 +57,7 @@ from opentinker.protocol import (
     JobMode,
     TokenizerFiles,
 )
+from opentinker.version import __version__
 
 if TYPE_CHECKING:
     from opentinker.client.environment import GenericEnvironment
@@ -72,8 +73,6 @@ ENV_CHECK_PATIENCE_S = 120.0
 
 
 def _user_agent() -> str:
-    from opentinker import __version__
-
     return f"opentinker-client/{__version__}"
 
 
