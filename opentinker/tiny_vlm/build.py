@@ -140,6 +140,18 @@ def _image_processor(recipe: TinyVlmRecipe, out: Path) -> ImageProcessor:
     return ImageProcessor(str(out))
 
 
+def _optimizer_step(optimizer, loss, module, recipe: TinyVlmRecipe, step: int) -> None:
+    """One AdamW step on ``loss`` at the warm-up's learning rate, gradients clipped to norm 1."""
+    import torch
+
+    for group in optimizer.param_groups:
+        group["lr"] = recipe.learning_rate * min(1.0, (step + 1) / recipe.warmup_steps)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()
+
+
 def _align_vision(model, tokenizer, processor: ImageProcessor, recipe: TinyVlmRecipe, progress: bool) -> float:
     """Teach the vision tower to read: each merged token of a picture's left half is pulled to
     the language model's input embedding of the left digit's token, and likewise on the right,
@@ -170,12 +182,7 @@ def _align_vision(model, tokenizer, processor: ImageProcessor, recipe: TinyVlmRe
         halves = tokens.view(len(batch), 2, 2, 2, -1)  # [picture, row, half, column in half, hidden]
         target = digits[torch.tensor([[p.a, p.b] for p in batch])][:, None, :, None, :].expand_as(halves)
         loss = F.mse_loss(halves, target) / digits.pow(2).mean()
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.learning_rate * min(1.0, (step + 1) / recipe.warmup_steps)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(visual.parameters(), 1.0)
-        optimizer.step()
+        _optimizer_step(optimizer, loss, visual, recipe, step)
         with torch.no_grad():
             read = torch.cdist(halves.mean(dim=(1, 3)), digits).argmin(-1)
             accuracy = (read == torch.tensor([[p.a, p.b] for p in batch])).float().mean().item()
@@ -224,12 +231,7 @@ def _sft(model, tokenizer, processor: ImageProcessor, layout: VisionLayout, reci
             chunk = sums[(step // recipe.arithmetic_every) * recipe.batch_size:][:recipe.batch_size]
             text_rows = [encode_chat(tokenizer, layout, p.messages(), p.answer, []) for p in chunk]
             total = total + 0.5 * masked_lm_loss(model, *pad_rows(text_rows, pad_id))
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.learning_rate * min(1.0, (step + 1) / recipe.warmup_steps)
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        _optimizer_step(optimizer, total, model, recipe, step)
         losses.append(loss.item())
         if (step + 1) % recipe.stop_check_every == 0:
             accuracy = digit_sum_accuracy(model, tokenizer, processor, layout, validation)
