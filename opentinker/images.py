@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -76,6 +77,30 @@ def message_images(messages: Any) -> Iterator[str]:
                 url = image_url(part)
                 if url is not None:
                     yield url
+
+
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpeg"))
+
+
+def image_part(source: Any) -> dict[str, str]:
+    """An HF-style image part ``{"type": "image", "image": <data URL>}`` of a picture given as
+    PNG, JPEG or WebP bytes, a file's path, or a Pillow image (written as PNG)."""
+    if hasattr(source, "save") and hasattr(source, "size"):  # a Pillow image
+        out = io.BytesIO()
+        source.save(out, format="PNG")
+        source = out.getvalue()
+    elif isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as file:
+            source = file.read()
+    if not isinstance(source, (bytes, bytearray)):
+        raise TypeError(f"image_part takes bytes, a path or a Pillow image, got {type(source).__name__}")
+    data = bytes(source)
+    subtype = next((name for magic, name in _MAGIC if data.startswith(magic)), None)
+    if subtype is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        subtype = "webp"
+    if subtype is None:
+        raise ImageError("image_part: the picture is not PNG, JPEG or WebP (by its first bytes)", "format")
+    return {"type": "image", "image": f"data:image/{subtype};base64," + base64.b64encode(data).decode("ascii")}
 
 
 def data_url_payload(url: str, limits: ImageLimits = ImageLimits()) -> bytes:

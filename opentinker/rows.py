@@ -28,6 +28,9 @@ def prompt_problem(prompt: Any) -> str | None:
         return f"'prompt' must be a non-empty list of chat messages [{{'role': ..., 'content': ...}}], " \
                f"got {type(prompt).__name__}"
     for i, message in enumerate(prompt):
+        if isinstance(message, Mapping) and isinstance(message.get("content"), list):
+            return (f"'prompt[{i}].content' is a list of parts (text and pictures): RL jobs take text prompts "
+                    "only so far; give 'content' as a string")
         if not (isinstance(message, Mapping) and isinstance(message.get("content"), str)
                 and isinstance(message.get("role"), str)):
             return f"'prompt[{i}]' must be a message object with string 'role' and 'content'"

@@ -13,8 +13,10 @@ import pytest
 from PIL import Image, features
 
 from opentinker.images import (
-    ImageError, ImageLimits, data_url_payload, image_url, message_images, read_image, read_message_images,
+    ImageError, ImageLimits, data_url_payload, image_part, image_url, message_images, read_image,
+    read_message_images,
 )
+from opentinker.rows import prompt_problem
 
 
 def _png(width=8, height=6, color=(200, 30, 30)) -> bytes:
@@ -125,3 +127,26 @@ def test_the_operator_bounds_apply_and_the_count_per_row():
     assert error.value.limit == "max_images_per_row"
     assert [im.size for im in read_message_images([{"role": "user", "content": chat[0]["content"][:2]}], limits)] \
         == [(4, 4), (4, 4)]
+
+
+def test_image_part_makes_a_data_url_from_bytes_a_file_or_a_pillow_image(tmp_path):
+    png = _png(5, 3)
+    path = tmp_path / "picture.png"
+    path.write_bytes(png)
+    jpeg = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(jpeg, format="JPEG")
+    for source in (png, path, str(path)):
+        part = image_part(source)
+        assert part["type"] == "image" and part["image"].startswith("data:image/png;base64,")
+        assert data_url_payload(image_url(part)) == png
+    assert image_part(jpeg.getvalue())["image"].startswith("data:image/jpeg;base64,")
+    assert read_image(data_url_payload(image_part(Image.new("RGB", (6, 2)))["image"])).size == (6, 2)
+    with pytest.raises(ImageError) as error:
+        image_part(b"GIF89a....")
+    assert error.value.limit == "format"
+
+
+def test_rows_with_pictures_are_refused_at_the_door_for_now():
+    chat = [{"role": "user", "content": [image_part(_png()), {"type": "text", "text": "What is it?"}]}]
+    assert "prompt[0].content' is a list of parts (text and pictures)" in prompt_problem(chat)
+    assert prompt_problem([{"role": "user", "content": "What is it?"}]) is None
