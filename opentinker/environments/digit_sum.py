@@ -10,7 +10,6 @@ splits) needs no package.
 
 from __future__ import annotations
 
-import base64
 import io
 import random
 import zlib
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from opentinker.environments.arithmetic import score_answer
+from opentinker.images import image_part
 
 QUESTION = "What is the sum of the two digits in the picture?"
 HEIGHT, WIDTH = 56, 112
@@ -46,13 +46,9 @@ class DigitSumProblem:
         self.image().save(out, format="PNG")
         return out.getvalue()
 
-    def data_url(self) -> str:
-        return "data:image/png;base64," + base64.b64encode(self.png()).decode("ascii")
-
     def messages(self) -> list[dict]:
         """One user turn: the picture (HF-style image part, a PNG data URL), then the question."""
-        return [{"role": "user", "content": [{"type": "image", "image": self.data_url()},
-                                             {"type": "text", "text": QUESTION}]}]
+        return [{"role": "user", "content": [image_part(self.png()), {"type": "text", "text": QUESTION}]}]
 
     def as_row(self) -> dict:
         return {"prompt": self.messages(), "reward_model": {"ground_truth": self.answer}, "data_source": "digit_sum"}

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from opentinker.engine.vision import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionLayout
 from opentinker.environments import arithmetic, digit_sum
+from opentinker.tiny.build import _save_model
 from opentinker.tiny.recipe import ENDOFTEXT, IM_END
-from opentinker.tiny.tokenizer import _deterministic_torch, _quiet_transformers_progress
+from opentinker.tiny.tokenizer import _deterministic_torch
 from opentinker.tiny_vlm.forward import answer_greedily, encode_chat, masked_lm_loss, pad_rows
 from opentinker.tiny_vlm.recipe import (
     CHAT_TEMPLATE, DEFAULT_RECIPE, REPORT_FILE, TINY_VLM_NAME, TINY_VLM_VERSION, VIDEO_PAD, TinyVlmRecipe,
@@ -220,8 +221,7 @@ def _sft(model, tokenizer, processor: ImageProcessor, layout: VisionLayout, reci
             read = rng.random() < 0.5
             question = READ_QUESTION if read else digit_sum.QUESTION
             answer = f"{problem.a} and {problem.b}" if read else problem.answer
-            rows.append(([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-                         answer))
+            rows.append((_picture_chat(question), answer))
         pixel_values, grids = processor([p.image() for p in batch])
         loss = masked_lm_loss(model, *pad_rows([encode_chat(tokenizer, layout, m, a, [g])
                                                  for (m, a), g in zip(rows, grids)], pad_id),
@@ -251,7 +251,7 @@ def digit_sum_accuracy(model, tokenizer, processor: ImageProcessor, layout: Visi
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
         pixel_values, grids = processor([p.image() for p in chunk])
-        prompts = [encode_chat(tokenizer, layout, _question_chat(), None, [g]) for g in grids]
+        prompts = [encode_chat(tokenizer, layout, _picture_chat(digit_sum.QUESTION), None, [g]) for g in grids]
         answers = answer_greedily(model, tokenizer, prompts, pixel_values=pixel_values, grids=grids)
         right += sum(digit_sum.score(text, p.answer) for text, p in zip(answers, chunk))
     return right / max(1, len(problems))
@@ -269,17 +269,13 @@ def arithmetic_accuracy(model, tokenizer, layout: VisionLayout, problems: Sequen
     return right / max(1, len(problems))
 
 
-def _question_chat() -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": digit_sum.QUESTION}]}]
+def _picture_chat(question: str) -> list[dict]:
+    """One user turn: a picture (the pixels go beside the tokens), then ``question``."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
 def _save(model, tokenizer, out: Path) -> None:
-    from transformers import GenerationConfig
-
-    config = model.config.get_text_config()  # the special tokens' ids live in the text config
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=64)
-    with _quiet_transformers_progress():
-        model.save_pretrained(out)
+    """As the tiny text model is saved (a generation config that samples at temperature 1); the
+    special tokens' ids live in the text config."""
+    _save_model(model, model.config.get_text_config(), out)
     tokenizer.save_pretrained(out)

@@ -34,18 +34,12 @@ def encode_chat(tokenizer, layout: VisionLayout, messages: list[dict], answer: s
 
 
 def pad_rows(rows: Sequence[EncodedChat], pad_id: int):
-    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (-100 where no loss) and
-    ``position_ids`` [4, rows, T]."""
-    width = max(len(row.ids) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row.ids)
-        input_ids[i, :n] = torch.tensor(row.ids)
-        attention_mask[i, :n] = 1
-        labels[i, :n] = torch.tensor([t if m else -100 for t, m in zip(row.ids, row.loss_mask)])
-    return input_ids, attention_mask, labels, batch_positions([row.positions for row in rows], width)
+    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (-100 where no loss), as the
+    tiny text model's SFT pads them, and ``position_ids`` [4, rows, T]."""
+    from opentinker.tiny.sft import _pad_batch
+
+    input_ids, attention_mask, labels = _pad_batch([(row.ids, row.loss_mask) for row in rows], pad_id)
+    return input_ids, attention_mask, labels, batch_positions([row.positions for row in rows], input_ids.shape[1])
 
 
 def _hidden(model, input_ids, attention_mask, positions, pixel_values, grids):
