@@ -355,7 +355,9 @@ def job_status(client: httpx.Client, job_id: str) -> str:
     return response.json()["status"]
 
 
-def wait_status(client: httpx.Client, job_id: str, *statuses: str, timeout: float = 30.0) -> dict:
+def wait_status(client: httpx.Client, job_id: str, *statuses: str, timeout: float = 120.0) -> dict:
+    # Generous: a job's actor is a new Ray worker process that imports torch and builds its
+    # trainer, which took over 30 s on CI's 2 cores with the other xdist worker busy.
     def check():
         info = client.get(f"/v1/jobs/{job_id}").json()
         return info if info["status"] in statuses else None
