@@ -4,6 +4,11 @@
 tensors [B, R], right-padded to the longest response R. The model sees either a padded
 [B, L] matrix or, with ``use_remove_padding``, one packed row where position ids restart at
 each sequence, so no compute is spent on pad tokens. Both give the same logprobs.
+
+A batch of a vision-language model carries each row's pictures (``images``: the prompt's
+:class:`~opentinker.engine.vision.PromptImages`, None for a text row); its layouts then hold the
+pixel values and grids of the rows they run (``vision``) and [4, rows, T] positions (the text
+positions, then the three rotary axes).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opentinker.engine.vision import PromptImages, sequence_positions, vision_kwargs
+
 
 @dataclass
 class TokenBatch:
@@ -21,12 +28,14 @@ class TokenBatch:
     ``response_mask[i, j]`` is 1 where ``response_ids[i][j]`` is a model token to train on,
     0 on environment tokens and on padding past the response. ``tensors`` holds other
     response-aligned [B, R] values (old/ref logprobs, advantages) under their names.
+    ``images[i]``: row i's prompt pictures (None: text only; the field None: no row has any).
     """
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     response_mask: torch.Tensor
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: list[PromptImages | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) != len(self.response_ids):
@@ -37,6 +46,10 @@ class TokenBatch:
                 f"TokenBatch: response_mask has shape {tuple(self.response_mask.shape)}, "
                 f"expected ({len(self)}, {width})"
             )
+        if self.images is not None and len(self.images) != len(self):
+            raise ValueError(f"TokenBatch: {len(self.images)} rows of images for {len(self)} rows")
+        if self.images is not None and all(i is None for i in self.images):
+            self.images = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -51,6 +64,7 @@ class TokenBatch:
         prompt_ids: Sequence[Sequence[int]],
         response_ids: Sequence[Sequence[int]],
         response_masks: Sequence[Sequence[int]] | None = None,
+        images: Sequence[PromptImages | None] | None = None,
     ) -> "TokenBatch":
         """Right-pad ragged responses; without masks every response token is a model token."""
         width = max((len(r) for r in response_ids), default=0)
@@ -60,7 +74,8 @@ class TokenBatch:
             if len(row_mask) != len(response):
                 raise ValueError(f"TokenBatch: response_mask of row {row} does not match its response length")
             mask[row, : len(response)] = torch.tensor(row_mask, dtype=torch.float32)
-        return cls([list(p) for p in prompt_ids], [list(r) for r in response_ids], mask)
+        return cls([list(p) for p in prompt_ids], [list(r) for r in response_ids], mask,
+                   images=list(images) if images is not None else None)
 
     def pad_response_values(self, values: Sequence[Sequence[float]]) -> torch.Tensor:
         """Ragged per-token values -> [B, R] aligned with ``response_mask`` (0 beyond each row)."""
@@ -79,7 +94,21 @@ class TokenBatch:
             [self.response_ids[r] for r in rows],
             self.response_mask[index, :width],
             {name: t[index, :width] for name, t in self.tensors.items()},
+            [self.images[r] for r in rows] if self.images is not None else None,
         )
+
+    def row_images(self) -> list[PromptImages | None]:
+        return self.images if self.images is not None else [None] * len(self)
+
+    def prompt_keys(self) -> list[tuple]:
+        """What tells the rows' prompts apart: their tokens and their pictures."""
+        return [(tuple(p), images.key if images is not None else None)
+                for p, images in zip(self.prompt_ids, self.row_images())]
+
+    def positions(self, row: int) -> torch.Tensor:
+        """[4, T] positions of row ``row``'s prompt and response (pictures or not)."""
+        prompt = len(self.prompt_ids[row])
+        return sequence_positions(self.row_images()[row], prompt, prompt + len(self.response_ids[row]))
 
     def split(self, size: int) -> list["TokenBatch"]:
         return [self.select(range(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
@@ -101,6 +130,7 @@ class ModelInputs:
     logit_cols: torch.Tensor
     targets: torch.Tensor
     valid: torch.Tensor
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw
 
 
 def _response_grid(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,19 +153,27 @@ def padded_inputs(batch: TokenBatch, pad_token_id: int) -> ModelInputs:
         input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
         attention_mask[row, : len(sequence)] = 1
     position_ids = torch.arange(length).expand(len(batch), length).contiguous()
+    if batch.images is not None:  # [4, B, L]: pads at 0, as above
+        position_ids = torch.zeros(4, len(batch), length, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            position_ids[:, row, : len(sequence)] = batch.positions(row)
     targets, valid = _response_grid(batch)
     width = batch.response_width
     prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids])
     cols = (prompt_lengths.unsqueeze(-1) - 1 + torch.arange(width)).clamp(max=length - 1)
     rows = torch.arange(len(batch)).unsqueeze(-1).expand(len(batch), width)
-    return ModelInputs(input_ids, position_ids, attention_mask, rows, cols, targets, valid)
+    return ModelInputs(input_ids, position_ids, attention_mask, rows, cols, targets, valid,
+                       vision_kwargs(batch.row_images()))
 
 
 def packed_inputs(batch: TokenBatch) -> ModelInputs:
     """One [1, total] row; position ids restart at 0 for each sequence (no attention mask)."""
     sequences = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     input_ids = torch.tensor([token for s in sequences for token in s], dtype=torch.long).unsqueeze(0)
-    position_ids = torch.cat([torch.arange(len(s)) for s in sequences]).unsqueeze(0)
+    if batch.images is not None:  # [4, 1, total]
+        position_ids = torch.cat([batch.positions(row) for row in range(len(batch))], dim=1).unsqueeze(1)
+    else:
+        position_ids = torch.cat([torch.arange(len(s)) for s in sequences]).unsqueeze(0)
     targets, valid = _response_grid(batch)
     width = batch.response_width
     starts = torch.tensor([0] + [len(s) for s in sequences[:-1]]).cumsum(0)
@@ -143,7 +181,7 @@ def packed_inputs(batch: TokenBatch) -> ModelInputs:
     total = input_ids.shape[1]
     cols = (starts.unsqueeze(-1) + prompt_lengths.unsqueeze(-1) - 1 + torch.arange(width)).clamp(max=total - 1)
     rows = torch.zeros_like(cols)
-    return ModelInputs(input_ids, position_ids, None, rows, cols, targets, valid)
+    return ModelInputs(input_ids, position_ids, None, rows, cols, targets, valid, vision_kwargs(batch.row_images()))
 
 
 @dataclass
@@ -167,12 +205,18 @@ class SharedPrefixInputs:
     attention_mask: torch.Tensor
     targets: torch.Tensor
     valid: torch.Tensor
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def shared_prefix_inputs(batch: TokenBatch, pad_token_id: int) -> SharedPrefixInputs:
-    group_of: dict[tuple[int, ...], int] = {}
-    group_of_row = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in batch.prompt_ids])
-    prompts = list(group_of)
+    group_of: dict[tuple, int] = {}
+    first_row: list[int] = []  # a row of each distinct prompt
+    for row, key in enumerate(batch.prompt_keys()):
+        if key not in group_of:
+            group_of[key] = len(group_of)
+            first_row.append(row)
+    group_of_row = torch.tensor([group_of[key] for key in batch.prompt_keys()])
+    prompts = [batch.prompt_ids[row] for row in first_row]
     width = max(len(p) for p in prompts)
     prompt_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -186,7 +230,18 @@ def shared_prefix_inputs(batch: TokenBatch, pad_token_id: int) -> SharedPrefixIn
     prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids])
     response_positions = prompt_lengths.unsqueeze(-1) + torch.arange(response_inputs.shape[1])
     attention_mask = torch.cat([prompt_mask[group_of_row], valid[:, :-1].long()], dim=-1)
+    vision: dict[str, torch.Tensor] = {}
+    if batch.images is not None:
+        images = [batch.images[row] for row in first_row]
+        prompt_positions = torch.zeros(4, len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            prompt_positions[:, row, width - len(prompt):] = sequence_positions(images[row], len(prompt), len(prompt))
+        delta = torch.tensor([i.rope_delta if i is not None else 0 for i in batch.images])
+        rope = response_positions + delta.unsqueeze(-1)
+        response_positions = torch.stack([response_positions, rope, rope, rope])
+        vision = vision_kwargs(images)
     return SharedPrefixInputs(
         prompt_ids, prompt_mask, prompt_positions, group_of_row, response_inputs, response_positions,
-        attention_mask, targets, valid,
+        attention_mask, targets, valid, vision,
     )
+

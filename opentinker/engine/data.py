@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from opentinker.environments import arithmetic, word_problems
+from opentinker.engine.vision import VisionPromptEncoder
+from opentinker.environments import arithmetic, digit_sum, word_problems
+from opentinker.images import message_images
 
 RewardFn = Callable[[str, dict[str, Any]], float]
 """``reward_fn(response_text, row) -> float``: scores one response to a dataset row."""
@@ -17,11 +19,17 @@ RewardFn = Callable[[str, dict[str, Any]], float]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One dataset row, tokenized once. ``uid`` groups the n samples drawn for it."""
+    """One dataset row, tokenized once. ``uid`` groups the n samples drawn for it.
+
+    A row with pictures (a vision-language model's) has ``pictures``: its ``prompt_ids`` hold
+    each picture's tokens, and :func:`with_pictures` gives the prompt its pixels when it is
+    drawn (kept only while a step uses it: pixels take far more memory than the encoded files).
+    """
 
     uid: str
     prompt_ids: list[int]
     row: dict[str, Any]
+    pictures: bool = False
 
 
 def render_chat_ids(
@@ -45,11 +53,14 @@ def tokenize_rows(
     max_prompt_length: int,
     split: str,
     allow_data_free: bool = False,
+    pictures: VisionPromptEncoder | None = None,
 ) -> list[Prompt]:
     """Apply the chat template to each row's ``prompt`` messages; too-long prompts are an error.
 
     With ``allow_data_free`` a row may have no prompt: its environment opens the chat
     (the reset observation becomes the first user message) and ``prompt_ids`` stay empty.
+    Pictures in a row's messages need ``pictures`` (a vision-language model's encoder); each is
+    read under its limits here, so a bad one fails its row before training starts.
     """
     prompts = []
     for index, row in enumerate(rows):
@@ -59,14 +70,40 @@ def tokenize_rows(
             continue
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{split} row {index}: 'prompt' must be a non-empty list of chat messages")
+        has_pictures = any(True for _ in message_images(messages))
+        if has_pictures and pictures is None:
+            raise ValueError(f"{split} row {index}: the prompt has pictures but the model is not a "
+                             "vision-language model (actor_rollout_ref.model.path)")
         ids = chat_prompt_ids(tokenizer, messages)
+        if has_pictures:
+            try:
+                ids = list(pictures.encode(messages, ids))  # the pixels are made again when drawn
+            except ValueError as error:
+                raise ValueError(f"{split} row {index}: {error}") from error
         if len(ids) > max_prompt_length:
             raise ValueError(
                 f"{split} row {index}: prompt has {len(ids)} tokens, more than "
                 f"data.max_prompt_length={max_prompt_length}"
             )
-        prompts.append(Prompt(uid=f"{split}-{index}", prompt_ids=ids, row=row))
+        prompts.append(Prompt(uid=f"{split}-{index}", prompt_ids=ids, row=row, pictures=has_pictures))
     return prompts
+
+
+def with_pictures(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase,
+                  pictures: VisionPromptEncoder | None) -> list[Prompt]:
+    """``prompts`` with the pixels of those that have pictures (their ``prompt_ids`` an
+    :class:`~opentinker.engine.vision.ImagePrompt`); each distinct prompt is encoded once."""
+    done: dict[str, Prompt] = {}
+    out = []
+    for prompt in prompts:
+        if not prompt.pictures or pictures is None:
+            out.append(prompt)
+            continue
+        if prompt.uid not in done:
+            messages = prompt.row["prompt"]
+            done[prompt.uid] = replace(prompt, prompt_ids=pictures.encode(messages, chat_prompt_ids(tokenizer, messages)))
+        out.append(done[prompt.uid])
+    return out
 
 
 class PromptLoader:
@@ -115,6 +152,10 @@ def arithmetic_reward(response: str, row: dict[str, Any]) -> float:
     return arithmetic.score_answer(response, row["reward_model"]["ground_truth"])
 
 
+def digit_sum_reward(response: str, row: dict[str, Any]) -> float:
+    return digit_sum.score(response, row["reward_model"]["ground_truth"])
+
+
 def word_problems_reward(response: str, row: dict[str, Any]) -> float:
     return word_problems.score_answer(response, row["reward_model"]["ground_truth"])
 
@@ -124,6 +165,11 @@ BUILTIN_TASKS: dict[str, Callable[[int, int], tuple[list[dict], list[dict], Rewa
         [p.as_row() for p in arithmetic.make_problems(train_count, arithmetic.TRAIN_SEED, "train")],
         [p.as_row() for p in arithmetic.make_problems(val_count, arithmetic.HELDOUT_SEED, "heldout")],
         arithmetic_reward,
+    ),
+    "digit_sum": lambda train_count, val_count: (
+        [p.as_row() for p in digit_sum.make_problems(train_count, digit_sum.TRAIN_SEED, "train")],
+        [p.as_row() for p in digit_sum.make_problems(val_count, digit_sum.HELDOUT_SEED, "heldout")],
+        digit_sum_reward,
     ),
     "word_problems": lambda train_count, val_count: (
         [p.as_row() for p in word_problems.make_problems(train_count, word_problems.TRAIN_SEED, "train")],

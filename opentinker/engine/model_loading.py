@@ -1,4 +1,5 @@
-"""Load a causal LM and its tokenizer from a local folder or a hub name, with clear errors."""
+"""Load a causal LM (or a vision-language model, which is one with pictures in its prompts) and its
+tokenizer from a local folder or a hub name, with clear errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 if TYPE_CHECKING:
     from opentinker.engine.backend.spec import BackendSpec
@@ -26,6 +30,10 @@ def resolve_model_path(path: str | None) -> str:
         from opentinker.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    from opentinker.tiny_vlm import TINY_VLM_PRESET, ensure_tiny_vlm
+
+    if path == TINY_VLM_PRESET:
+        return str(ensure_tiny_vlm())
     from opentinker.pretrained import PretrainedModelError
     from opentinker.pretrained.convert import converted_folder
 
@@ -43,7 +51,8 @@ def resolve_model_path(path: str | None) -> str:
         raise ModelLoadError(
             f"actor_rollout_ref.model.path: the folder '{path}' does not exist "
             "(give a local Hugging Face model folder, a .gguf file, a preset such as 'smollm2-135m-instruct', "
-            "a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or leave it unset for the embedded tiny model)"
+            "a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', 'tiny-vlm' for the embedded tiny vision-language model, "
+            "or leave it unset for the embedded tiny model)"
         )
     if Path(expanded).exists() and not (Path(expanded) / "config.json").exists():
         raise ModelLoadError(f"actor_rollout_ref.model.path: '{path}' has no config.json, so it is not a model folder")
@@ -78,13 +87,26 @@ def load_causal_lm(
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        auto = AutoModelForImageTextToText if is_vision_language(path, trust_remote_code) else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except OSError as error:
         raise ModelLoadError(
             f"cannot load a model from '{path}': {error}. A hub name needs network access or a "
             "local copy in the Hugging Face cache."
         ) from error
     return model.to(device)
+
+
+def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model folder ``path`` holds a vision-language model (its config has a vision
+    tower and an image token)."""
+    from opentinker.engine.vision import VisionLayout
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError:
+        return False  # the model load that follows says why
+    return VisionLayout.of(config) is not None
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

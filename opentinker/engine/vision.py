@@ -115,3 +115,108 @@ class ImageProcessor:
         """``pixel_values`` [patches, features] of all ``images`` (PIL) in order, and each one's grid."""
         out = self._processor(images=list(images), return_tensors="pt")
         return out["pixel_values"], [tuple(int(x) for x in grid) for grid in out["image_grid_thw"].tolist()]
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImages:
+    """A prompt's pictures as the model takes them, and its tokens' positions.
+
+    Past the prompt every token is text: its rotary position is its text position plus
+    :attr:`rope_delta` on all three axes (a picture of h x w merged tokens advances the text
+    position by h x w but the rotary one by max(h, w)), so a response, a decode step or a later
+    environment turn continues from the prompt alone.
+    """
+
+    pixel_values: torch.Tensor  # [patches, features]: every picture's, in order
+    grids: tuple[Grid, ...]
+    positions: torch.Tensor  # [4, prompt length] (:func:`mrope_positions`)
+    key: str  # a digest of the pixels and grids: two prompts are the same when tokens and key are
+
+    @classmethod
+    def of(cls, pixel_values: torch.Tensor, grids: Sequence[Grid], positions: torch.Tensor) -> PromptImages:
+        import hashlib
+
+        digest = hashlib.sha256(repr([tuple(g) for g in grids]).encode())
+        digest.update(pixel_values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return cls(pixel_values, tuple(tuple(int(x) for x in g) for g in grids), positions, digest.hexdigest())
+
+    @property
+    def rope_delta(self) -> int:
+        return int(self.positions[1:].max()) + 1 - self.positions.shape[1]
+
+
+class ImagePrompt(list):
+    """A prompt's token ids (a list of ints, so every path that takes token ids takes it) that
+    carries its pictures in :attr:`images`."""
+
+    def __init__(self, token_ids: Sequence[int], images: PromptImages):
+        super().__init__(token_ids)
+        self.images = images
+
+
+def images_of(prompt: Sequence[int]) -> PromptImages | None:
+    return getattr(prompt, "images", None)
+
+
+def prompt_key(prompt: Sequence[int]) -> tuple:
+    """What makes two prompts the same one: the tokens and, with pictures, the pictures."""
+    images = images_of(prompt)
+    return tuple(prompt), images.key if images is not None else None
+
+
+def sequence_positions(images: PromptImages | None, prompt_length: int, length: int) -> torch.Tensor:
+    """[4, length] positions of a prompt of ``prompt_length`` tokens and what follows it."""
+    text = torch.arange(length)
+    if images is None:
+        return text.unsqueeze(0).expand(4, length).clone()
+    if images.positions.shape[1] != prompt_length:
+        raise ValueError(f"the prompt's pictures were placed for {images.positions.shape[1]} tokens, "
+                         f"the prompt has {prompt_length}")
+    out = torch.empty(4, length, dtype=torch.long)
+    out[:, :prompt_length] = images.positions[:, :length]
+    out[0, prompt_length:] = text[prompt_length:]
+    out[1:, prompt_length:] = text[prompt_length:] + images.rope_delta
+    return out
+
+
+def vision_kwargs(images: Sequence[PromptImages | None], device: torch.device | str = "cpu") -> dict:
+    """The model's picture inputs for rows with ``images`` (in row order); {} when none has any."""
+    present = [i for i in images if i is not None]
+    if not present:
+        return {}
+    pixels = torch.cat([i.pixel_values for i in present]).to(device)
+    grids = torch.tensor([g for i in present for g in i.grids], dtype=torch.long, device=device)
+    return {"pixel_values": pixels, "image_grid_thw": grids}
+
+
+class VisionPromptEncoder:
+    """Chat messages with pictures -> an :class:`ImagePrompt` for a vision-language model
+    folder: pictures read as untrusted input under ``limits`` (:mod:`opentinker.images`), the
+    chat template's image placeholders widened to each picture's tokens, positions placed."""
+
+    def __init__(self, folder: str, tokenizer, layout: VisionLayout, limits=None):
+        from opentinker.images import ImageLimits
+
+        self.processor = ImageProcessor(folder)
+        self.tokenizer, self.layout = tokenizer, layout
+        self.limits = limits if limits is not None else ImageLimits()
+
+    @classmethod
+    def for_model(cls, folder: str, tokenizer, limits=None, trust_remote_code: bool = False) -> VisionPromptEncoder | None:
+        """The encoder of the model folder ``folder``, or None for a text model."""
+        from transformers import AutoConfig
+
+        layout = VisionLayout.of(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        return None if layout is None else cls(folder, tokenizer, layout, limits)
+
+    def encode(self, messages: Sequence[dict], rendered_ids: Sequence[int]) -> list[int]:
+        """``rendered_ids`` (``messages`` through the chat template) with the pictures of
+        ``messages``: an :class:`ImagePrompt`, or the ids as they are when there is none."""
+        from opentinker.images import read_message_images
+
+        pictures = read_message_images(messages, self.limits)
+        if not pictures:
+            return list(rendered_ids)
+        pixel_values, grids = self.processor(pictures)
+        ids = expand_image_pads(rendered_ids, grids, self.layout)
+        return ImagePrompt(ids, PromptImages.of(pixel_values, grids, mrope_positions(ids, grids, self.layout)))

@@ -25,8 +25,8 @@ STRATEGIES = ("local", "fsdp")
 
 @dataclass(frozen=True)
 class DataSpec:
-    task: str = knob("arithmetic", "built-in dataset used when the job gives no rows",
-                     choices=("arithmetic", "word_problems"))
+    task: str = knob("arithmetic", "built-in dataset used when the job gives no rows (digit_sum: pictures, for a vision-language model)",
+                     choices=("arithmetic", "digit_sum", "word_problems"))
     train_batch_size: int = knob(8, "prompts per step; each is sampled rollout.n times", range=BATCH)
     val_batch_size: int = knob(64, "held-out prompts per validation", range=BATCH)
     max_prompt_length: int = knob(128, "tokens a prompt may take",

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from opentinker.engine.vision import IMAGE_PAD, VISION_END, VISION_START, ImageProcessor, VisionLayout
 from opentinker.environments import arithmetic, digit_sum
 from opentinker.tiny.build import _save_model
-from opentinker.tiny.recipe import ENDOFTEXT, IM_END
+from opentinker.tiny.recipe import ENDOFTEXT
 from opentinker.tiny.tokenizer import _deterministic_torch
 from opentinker.tiny_vlm.forward import answer_greedily, encode_chat, masked_lm_loss, pad_rows
 from opentinker.tiny_vlm.recipe import (
@@ -198,7 +198,6 @@ def _sft(model, tokenizer, processor: ImageProcessor, layout: VisionLayout, reci
     """AdamW on pictures of digits (loss on the answer and <|im_end|>), half asked for the sum and
     half for the digits, with a text-arithmetic batch every ``arithmetic_every`` steps; stops
     once validation accuracy reaches the recipe's."""
-    import torch
     from tqdm.auto import tqdm
 
     from opentinker.tiny.sft import _adamw

@@ -62,12 +62,12 @@ class ResponseScorer:
         prompt repeats and some response has more than one token, and, when rows may be packed
         too, only if that computes fewer tokens than the packed row (many samples of long
         prompts: the prompts once; ragged responses: the packed row)."""
-        prompts = {tuple(p) for p in batch.prompt_ids}
+        prompts = set(batch.prompt_keys())
         if not (self.share_prompt_prefix and len(prompts) < len(batch) and batch.response_width > 1):
             return False
         if not self.use_remove_padding:
             return True
-        shared = len(prompts) * max(len(p) for p in prompts) + len(batch) * (batch.response_width - 1)
+        shared = len(prompts) * max(len(p) for p, _ in prompts) + len(batch) * (batch.response_width - 1)
         packed = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
         return shared < packed
 
@@ -85,9 +85,11 @@ class ResponseScorer:
             first = int(inputs.logit_cols.min())
             keep = torch.arange(first, int(inputs.logit_cols.max()) + 1)
         if inputs.attention_mask is None:  # each sequence attends to itself only, with no [T, T] mask
-            extra = packed_call_kwargs(model, inputs.position_ids, self.device) or {"attention_mask": None}
+            text_positions = inputs.position_ids[0] if inputs.position_ids.dim() == 3 else inputs.position_ids
+            extra = packed_call_kwargs(model, text_positions, self.device) or {"attention_mask": None}
         else:
             extra = {"attention_mask": inputs.attention_mask.to(self.device)}
+        extra.update({name: value.to(self.device) for name, value in inputs.vision.items()})
         logits = model(
             input_ids=inputs.input_ids.to(self.device),
             position_ids=inputs.position_ids.to(self.device),
@@ -109,6 +111,7 @@ class ResponseScorer:
             position_ids=inputs.prompt_position_ids.to(device),
             use_cache=True,
             logits_to_keep=1,
+            **{name: value.to(device) for name, value in inputs.vision.items()},
         )
         group_of_row = inputs.group_of_row.to(device)
         first = prompt_out.logits[:, -1][group_of_row].unsqueeze(1)  # predicts response token 0

@@ -30,7 +30,7 @@ from opentinker.engine.backend.losses import resolve_loss, weighted_loss
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.backend.value_head import attach_value_head
 from opentinker.engine.batch import TokenBatch
-from opentinker.engine.model_loading import enable_gradient_checkpointing
+from opentinker.engine.model_loading import enable_gradient_checkpointing, is_vision_language
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -69,6 +69,9 @@ def build_sharded_model(options: BackendSpec, rank: int, mesh, device: torch.dev
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if is_vision_language(options.model_path, options.trust_remote_code):
+        raise ValueError("actor_rollout_ref.actor.strategy=fsdp: a vision-language model trains with the local "
+                         "strategy so far (its vision tower and language model are not sharded yet)")
     if rank == 0:
         model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=torch.float32,
                                                      trust_remote_code=options.trust_remote_code)

@@ -3,6 +3,7 @@ to resume. What goes in ``trainer_state.pt`` is the trainer's components' own st
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,24 @@ CRITIC_STATE = "critic_state"  # the value model's backend state, beside the act
 LATEST_CHECKPOINT = "latest_checkpointed_iteration.txt"  # verl's name for the same file
 
 
+#: A model folder's files for its inputs beside the tokenizer's (a vision-language model's image processor).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
 def write_checkpoint(root: Path, step: int, backend: Any, tokenizer: Any, critic_backend: Any | None,
-                     trainer_state: dict[str, Any]) -> Path:
-    """``<root>/global_step_<step>/``: ``actor/`` (a Hugging Face folder), ``state/`` (the
+                     trainer_state: dict[str, Any], model_path: str | None = None) -> Path:
+    """``<root>/global_step_<step>/``: ``actor/`` (a Hugging Face folder, with the processor
+    files of the model folder ``model_path`` beside the tokenizer's), ``state/`` (the
     backend's weights, optimizer and RNG), ``critic_state/`` (with a critic) and
     ``trainer_state.pt`` (step, data position, schedules, RNG: ``trainer_state``); the file
     ``latest_checkpointed_iteration.txt`` names the newest complete one. Returns the ``actor``
     folder."""
     folder = root / step_checkpoint_name(step)
     actor = backend.export_hf(folder / "actor", tokenizer)
+    for name in PROCESSOR_FILES:
+        source = Path(model_path) / name if model_path else None
+        if source is not None and source.is_file():
+            shutil.copyfile(source, actor / name)
     backend.save_state(folder / ACTOR_STATE)
     if critic_backend is not None:
         critic_backend.save_state(folder / CRITIC_STATE)

@@ -11,12 +11,13 @@ from typing import Any
 from opentinker.engine.agent_loop import AgentLoopConfig
 from opentinker.engine.ppo.agent_runner import AgentLoopRunner, single_turn_trajectory
 from opentinker.engine.chat import ChatTemplater
-from opentinker.engine.data import Prompt
+from opentinker.engine.data import Prompt, with_pictures
 from opentinker.engine.ppo.env_instances import EnvInstanceJournal
 from opentinker.engine.ppo.env_outage import PROBE_TIMEOUT_S, EnvOutage, unreachable_endpoints
 from opentinker.engine.ppo.reward_deadline import TIMED_OUT, DeadlineScorer
 from opentinker.engine.rollout import AsyncCompletions, RequestBatcher, RolloutEngine, SamplingParams
 from opentinker.engine.ppo.step import StepSamples, Timer
+from opentinker.engine.vision import VisionPromptEncoder
 from opentinker.environments.interaction import Interaction
 from opentinker.recipe import RecipeSpec
 
@@ -28,8 +29,10 @@ class RolloutSampler:
 
     def __init__(self, cfg: RecipeSpec, engine: RolloutEngine, tokenizer: Any, eos_ids: Any,
                  interactions: Mapping[str, Interaction], reward_scorer: DeadlineScorer | None,
-                 warn: Callable[[str], None], check_cancelled: Callable[[], None]):
+                 warn: Callable[[str], None], check_cancelled: Callable[[], None],
+                 pictures: VisionPromptEncoder | None = None):
         self.cfg = cfg
+        self.pictures = pictures  # a vision-language model's prompt encoder
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward_scorer = reward_scorer
@@ -77,9 +80,13 @@ class RolloutSampler:
         With interactions every sample is a (possibly multi-turn) agent loop whose reward
         comes from its environment; otherwise one batched generate call and ``reward_fn``.
         """
+        prompts = with_pictures(prompts, self.tokenizer, self.pictures)  # pixels only while the step runs
         per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
         params = self.sampling_params(validation)
         if self.agent_loops is not None:
+            if any(p.pictures for p in prompts):
+                raise ValueError("prompts with pictures train single-turn so far: a job with interactions "
+                                 "takes text prompts")
             trajectories, names = self.agent_loops.run(per_sample, params)  # (step_warnings names env errors)
             texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
             return StepSamples(per_sample, trajectories, texts, names)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from opentinker.engine.ppo.agent_runner import env_endpoint_of
 from opentinker.engine.ppo.step import StepSamples
+from opentinker.engine.vision import prompt_key
 
 __all__ = ["StepWarnings"]
 
@@ -92,8 +93,9 @@ class StepWarnings:
 
     def _identical_prompts(self, step: int, rollout: StepSamples) -> None:
         by_uid = {prompt.uid: i for i, prompt in enumerate(rollout.prompts)}
-        texts = {tuple(rollout.trajectories[i].prompt_ids) for i in by_uid.values()
-                 if rollout.trajectories[i].prompt_ids}
+        # A prompt with pictures is told apart by them too (the same question on other pictures).
+        texts = {(tuple(rollout.trajectories[i].prompt_ids), prompt_key(rollout.prompts[i].prompt_ids)[1])
+                 for i in by_uid.values() if rollout.trajectories[i].prompt_ids}
         said = self._identical.update(len(by_uid) > 1 and len(texts) == 1, step)
         if said == "began":
             self.warn(f"step {step}: all {len(by_uid)} prompts of the step are the same text; an env that writes the "

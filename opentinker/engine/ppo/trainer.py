@@ -44,8 +44,10 @@ from opentinker.engine.ppo.step import StepSamples, Timer
 from opentinker.engine.ppo.step_warnings import StepWarnings
 from opentinker.engine.ppo.fit_loop import fit_loop
 from opentinker.engine.ppo.builders import critic_backend, judge_from_config, rollout_engine, start_wandb
+from opentinker.engine.vision import VisionPromptEncoder
 from opentinker.engine.ppo.update_stage import UpdateStage, to_batch
 from opentinker.environments.interaction import Interaction
+from opentinker.images import ImageLimits
 from opentinker.protocol import step_checkpoint_name
 from opentinker.recipe import RecipeSpec
 
@@ -75,6 +77,7 @@ class RLTrainer:
         reward_fn: RewardFn | None = None,
         strategy_judge: StrategyJudge | None = None,
         interactions: Mapping[str, Interaction] | None = None,
+        image_limits: ImageLimits | None = None,
     ):
         # The typed recipe (a checked config is typed here; its attributes are the dotted keys),
         # its rules checked again now that the device is known (vLLM asynchronous on a GPU).
@@ -92,6 +95,9 @@ class RLTrainer:
         self.model_path = resolve_model_path(ar.model.path)
         self.tokenizer = load_tokenizer(self.model_path, ar.model.trust_remote_code)
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
+        # A vision-language model's: pictures in prompts -> pixels and image tokens (None: a text model).
+        self.pictures = VisionPromptEncoder.for_model(self.model_path, self.tokenizer, image_limits,
+                                                      trust_remote_code=ar.model.trust_remote_code)
         self._load_prompts(train_rows, val_rows)
         # Set by the driver (the job runner: warning events; a cancel raises) for env outage waits.
         self.on_warning: Callable[[str], None] = _print_warning
@@ -116,7 +122,7 @@ class RLTrainer:
         # Samples and scores responses: one batched generate and the reward function, or agent loops.
         self.sampler = RolloutSampler(cfg, self.rollout, self.tokenizer, self.eos_ids, self.interactions,
                                       self.reward_scorer, warn=lambda message: self.on_warning(message),
-                                      check_cancelled=lambda: self.check_cancelled())
+                                      check_cancelled=lambda: self.check_cancelled(), pictures=self.pictures)
         self.agent_loops = self.sampler.agent_loops
         self.step_warnings = StepWarnings(lambda message: self.on_warning(message))  # lost episodes, no signal
         # Where each step's rollout comes from: made in the step, or launched steps ahead.
@@ -136,8 +142,10 @@ class RLTrainer:
     def _load_prompts(self, train_rows: Sequence[dict], val_rows: Sequence[dict] | None) -> None:
         data = self.cfg.data
         data_free = bool(self.interactions)  # an env writes the prompts; rows need no prompt
-        self.train_prompts = tokenize_rows(train_rows, self.tokenizer, data.max_prompt_length, "train", data_free)
-        self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, data.max_prompt_length, "val", data_free)
+        self.train_prompts = tokenize_rows(train_rows, self.tokenizer, data.max_prompt_length, "train", data_free,
+                                           self.pictures)
+        self.val_prompts = tokenize_rows(val_rows or [], self.tokenizer, data.max_prompt_length, "val", data_free,
+                                         self.pictures)
         self.loader = iter(PromptLoader(self.train_prompts, data.train_batch_size, data.shuffle, data.seed))
 
     # -- phases --------------------------------------------------------------------
@@ -239,7 +247,8 @@ class RLTrainer:
     def tokenize_batch(self, rows: Sequence[dict]) -> list[Prompt]:
         """A pushed batch; uids are unique per step so GRPO groups stay within this batch."""
         split = f"step{self.global_step + 1}"
-        return tokenize_rows(rows, self.tokenizer, self.cfg.data.max_prompt_length, split, bool(self.interactions))
+        return tokenize_rows(rows, self.tokenizer, self.cfg.data.max_prompt_length, split, bool(self.interactions),
+                             self.pictures)
 
     # -- validation and checkpoints -------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -262,7 +271,7 @@ class RLTrainer:
         if not root:
             return None
         return write_checkpoint(Path(root), self.global_step, self.backend, self.tokenizer,
-                                self.update.critic_backend, self.trainer_state())
+                                self.update.critic_backend, self.trainer_state(), self.model_path)
 
     def trainer_state(self) -> dict[str, Any]:
         """What, besides the backends' state, a run needs to continue exactly as it would have:

@@ -15,6 +15,7 @@ from opentinker.engine.ppo.checkpoints import ACTOR_STATE, CRITIC_STATE
 from opentinker.engine.ppo.correction import sampler_gap_metrics, without_rejected
 from opentinker.engine.ppo.policy_update import CriticUpdate, PPOUpdate
 from opentinker.engine.ppo.step import StepSamples, Timer
+from opentinker.engine.vision import images_of
 from opentinker.recipe import RecipeSpec
 
 __all__ = ["UpdateStage", "to_batch"]
@@ -26,6 +27,7 @@ def to_batch(rollout: StepSamples) -> TokenBatch:
     batch = TokenBatch.from_responses(
         [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
         [t.response_mask for t in trajectories],
+        [images_of(p.prompt_ids) for p in rollout.prompts],
     )
     batch.tensors["rollout_logprobs"] = batch.pad_response_values([t.rollout_logprobs for t in trajectories])
     return batch

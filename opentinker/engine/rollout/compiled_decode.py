@@ -84,7 +84,7 @@ def _step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, mask:
 def can_compile(model: Any) -> bool:
     """Whether this model's decode can be compiled: every layer plain full attention (a sliding
     window's cache is not an :class:`InPlaceLayer`)."""
-    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
     return all(kind == "full_attention" for kind in layer_types)
 
 
@@ -102,7 +102,7 @@ class CompiledDecode:
     def __init__(self, model: Any):
         if not can_compile(model):
             raise ValueError("compile_decode: this model has layers other than full attention "
-                             f"({sorted(set(model.config.layer_types))}); use the eager decode")
+                             f"({sorted(set(model.config.get_text_config().layer_types))}); use the eager decode")
         model.set_attn_implementation(DECODE_ATTENTION)
         self.model = model
         self._step = torch.compile(_step, dynamic=None)

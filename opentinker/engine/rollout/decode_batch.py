@@ -24,6 +24,7 @@ import torch
 from opentinker.engine.rollout.base import Completion, SamplingParams
 from opentinker.engine.rollout.kv_cache import can_restack, in_place_cache, stack_rows
 from opentinker.engine.rollout.sampling import RowSettings, next_tokens
+from opentinker.engine.vision import VisionLayout, images_of, prompt_key, sequence_positions, vision_kwargs
 
 #: ``on_tokens(tags, tokens)``: each decode step's new token of every row still generating.
 TokenCallback = Callable[[list[Hashable], list[int]], None]
@@ -49,17 +50,37 @@ class DistinctPrefill:
     cache: Any  # an in-place cache with one row per distinct prompt
     logits: torch.Tensor  # [distinct, vocab]: each distinct prompt's next-token logits
     prompt_mask: torch.Tensor  # [distinct, width], on the host: 1 = a prompt token
-    position_ids: torch.Tensor  # [distinct, width], on the host
+    position_ids: torch.Tensor  # [distinct, width], on the host: the text positions
     group_of_row: torch.Tensor  # [rows], on the host: the distinct prompt of each row
+    # A vision-language model's: [rows], on the host, what a row's rotary positions add to its
+    # text positions past the prompt (0 without pictures; :class:`~..vision.PromptImages`). None: a text model.
+    rope_delta: torch.Tensor | None = None
+
+
+def decode_positions(position: torch.Tensor, rope_delta: torch.Tensor | None) -> torch.Tensor:
+    """The ``position_ids`` of one decode step of rows whose next tokens are at text ``position``
+    [rows]: [rows, 1], or a vision-language model's [4, rows, 1] (text, then three rotary axes)."""
+    if rope_delta is None:
+        return position.unsqueeze(-1)
+    rope = position + rope_delta
+    return torch.stack([position, rope, rope, rope]).unsqueeze(-1)
 
 
 @torch.no_grad()
 def prefill_distinct(engine: Any, prompts: Sequence[Sequence[int]], extra_columns: int) -> DistinctPrefill:
-    """Runs ``engine.model`` once over the distinct ``prompts``, into an in-place cache with room
+    """Runs ``engine.model`` once over the distinct ``prompts`` (prompts with pictures,
+    :class:`~..vision.ImagePrompt`, are told apart by them too), into an in-place cache with room
     for ``extra_columns`` more tokens."""
-    group_of: dict[tuple[int, ...], int] = {}
-    group_of_row = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in prompts])
-    distinct = list(group_of)
+    group_of: dict[tuple, int] = {}
+    distinct: list[Sequence[int]] = []
+    rows_group = []
+    for prompt in prompts:
+        key = prompt_key(prompt)
+        if key not in group_of:
+            group_of[key] = len(distinct)
+            distinct.append(prompt)
+        rows_group.append(group_of[key])
+    group_of_row = torch.tensor(rows_group)
     width = max(len(p) for p in distinct)
     input_ids = torch.full((len(distinct), width), engine.pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((len(distinct), width), dtype=torch.long)
@@ -67,11 +88,22 @@ def prefill_distinct(engine: Any, prompts: Sequence[Sequence[int]], extra_column
         input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         prompt_mask[row, width - len(prompt):] = 1
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    model_positions, vision, rope_delta = position_ids, {}, None
+    if VisionLayout.of(engine.model.config) is not None:
+        images = [images_of(p) for p in distinct]
+        model_positions = torch.zeros(4, len(distinct), width, dtype=torch.long)
+        for row, (prompt, pictures) in enumerate(zip(distinct, images)):
+            model_positions[:, row, width - len(prompt):] = sequence_positions(pictures, len(prompt), len(prompt))
+        rope_delta = torch.tensor([i.rope_delta if i is not None else 0 for i in images])[group_of_row]
+        vision = vision_kwargs(images, engine.device)
+    elif any(images_of(p) is not None for p in distinct):
+        raise ValueError("generate: a prompt has pictures but the model is not a vision-language model")
     cache = in_place_cache(engine.model.config, width + extra_columns)
     device = engine.device
     out = engine.model(input_ids=input_ids.to(device), attention_mask=prompt_mask.to(device),
-                       position_ids=position_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return DistinctPrefill(cache, out.logits[:, -1, :], prompt_mask, position_ids, group_of_row)
+                       position_ids=model_positions.to(device), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1, **vision)
+    return DistinctPrefill(cache, out.logits[:, -1, :], prompt_mask, position_ids, group_of_row, rope_delta)
 
 
 class DecodeBatch:
@@ -81,12 +113,14 @@ class DecodeBatch:
 
     def __init__(self, engine: Any, cache: Any, logits: torch.Tensor, mask: torch.Tensor, position: torch.Tensor,
                  settings: RowSettings, tokens: torch.Tensor, logprobs: torch.Tensor, generated: torch.Tensor,
-                 tags: list[Hashable], prompt_lengths: list[int], stop_texts: list[tuple[str, ...]]):
+                 tags: list[Hashable], prompt_lengths: list[int], stop_texts: list[tuple[str, ...]],
+                 rope_delta: torch.Tensor | None = None):
         self.engine = engine
         self.cache = cache
         self.logits = logits  # [rows, vocab]: each row's next-token logits
         self.mask = mask  # [rows, capacity]: 1 = a real token; the columns past the cache's are all 1
         self.position = position  # [rows]: the position id of each row's next token
+        self.rope_delta = rope_delta  # [rows] of a vision-language model (:func:`decode_positions`), else None
         self.settings = settings
         self.tokens = tokens  # [rows, most max_tokens]: generated so far (generated[r] of them)
         self.logprobs = logprobs
@@ -124,7 +158,7 @@ class DecodeBatch:
                     torch.zeros((rows, new_tokens), dtype=torch.long, device=device),
                     torch.zeros((rows, new_tokens), dtype=torch.float32, device=device),
                     torch.zeros(rows, dtype=torch.long, device=device), list(tags), [len(p) for p in prompts],
-                    stop_texts)
+                    stop_texts, None if prefilled.rope_delta is None else prefilled.rope_delta.to(device))
         batch.on_forward = on_forward
         return batch
 
@@ -175,7 +209,7 @@ class DecodeBatch:
             self.logits = self.engine.model(
                 input_ids=chosen.unsqueeze(-1),
                 attention_mask=self.mask[:, :width + 1],
-                position_ids=self.position.unsqueeze(-1),
+                position_ids=decode_positions(self.position, self.rope_delta),
                 past_key_values=self.cache,
                 use_cache=True,
             ).logits[:, -1, :]
@@ -206,6 +240,8 @@ class DecodeBatch:
         """Keeps only rows ``keep`` (in that order)."""
         self.cache.batch_select_indices(keep)
         self.logits, self.mask, self.position = self.logits[keep], self.mask[keep], self.position[keep]
+        if self.rope_delta is not None:
+            self.rope_delta = self.rope_delta[keep]
         self.tokens, self.logprobs, self.generated = self.tokens[keep], self.logprobs[keep], self.generated[keep]
         self.settings = self.settings.select(keep)
         index = keep.tolist()
@@ -245,6 +281,8 @@ class DecodeBatch:
         self.mask = torch.cat(masks)
         self.logits = torch.cat([batch.logits for batch in parts])
         self.position = torch.cat([batch.position for batch in parts])
+        if self.rope_delta is not None:  # the same model: both batches have them
+            self.rope_delta = torch.cat([batch.rope_delta for batch in parts])
         self.settings = RowSettings.concat([batch.settings for batch in parts])
         self.tokens = torch.cat([padded(batch.tokens) for batch in parts])
         self.logprobs = torch.cat([padded(batch.logprobs) for batch in parts])

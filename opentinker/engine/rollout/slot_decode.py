@@ -44,8 +44,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from opentinker.engine.backend.packed_attention import unused_mask
 from opentinker.engine.rollout.base import Completion, SamplingParams
 from opentinker.engine.rollout.compiled_decode import can_compile
-from opentinker.engine.rollout.decode_batch import check_requests, prefill_distinct
+from opentinker.engine.rollout.decode_batch import check_requests, decode_positions, prefill_distinct
 from opentinker.engine.rollout.sampling import choose_tokens, counter_uniform, stop_id_sets
+from opentinker.engine.vision import VisionLayout
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class SlotPool:
     def __init__(self, config: Any, slots: int, columns: int, new_tokens: int, stop_width: int,
                  dtype: torch.dtype, device: torch.device):
         self.slots, self.columns, self.new_tokens, self.stop_width = slots, columns, new_tokens, stop_width
+        vision = VisionLayout.of(config) is not None
+        config = config.get_text_config()  # a vision-language model's: its language model's
         heads = config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (slots, columns, heads, dim)
@@ -161,6 +164,8 @@ class SlotPool:
 
         self.logits = zeros(slots, config.vocab_size, dtype=torch.float32)
         self.lengths, self.generated, self.seed, self.max_tokens = (zeros(slots) for _ in range(4))
+        # A vision-language model's rotary offset past each slot's prompt (decode_batch.decode_positions).
+        self.rope_delta = zeros(slots) if vision else None
         self.active, self.stopped, self.greedy = (zeros(slots, dtype=torch.bool) for _ in range(3))
         self.temperature = torch.ones(slots, device=device)
         self.top_k, self.top_p = zeros(slots), torch.ones(slots, device=device)
@@ -184,7 +189,7 @@ class SlotDecoder:
         model = engine.model
         if not can_compile(model):
             raise ValueError("slot_decode: this model has layers other than full attention "
-                             f"({sorted(set(model.config.layer_types))}); use the eager decode")
+                             f"({sorted(set(model.config.get_text_config().layer_types))}); use the eager decode")
         model.set_attn_implementation(SLOT_ATTENTION)
         self.engine, self.model = engine, model
         parameter = next(model.parameters())
@@ -219,7 +224,8 @@ class SlotDecoder:
         view = SlotView(lengths, (lengths + 1).to(torch.int32), pool.cu[:rows + 1], pool.cu[:rows + 1] * pool.columns,
                         columns, self.varlen)
         writer = _SlotWriter(pool.keys, pool.values, index, lengths)
-        out = self.model(input_ids=chosen.unsqueeze(-1), position_ids=lengths.unsqueeze(-1),
+        rope_delta = pool.rope_delta[:rows] if pool.rope_delta is not None else None
+        out = self.model(input_ids=chosen.unsqueeze(-1), position_ids=decode_positions(lengths, rope_delta),
                          attention_mask=self.unused_mask, slot_view=view, past_key_values=writer, use_cache=True)
         pool.logits[:rows] = out.logits[:, -1, :]
         lengths += active
@@ -323,7 +329,7 @@ class _Call:
         if not rows:
             return
         slots = free[:len(rows)]
-        self._prefill(rows, slots)
+        rope_deltas = self._prefill(rows, slots)
         pool, device = self.pool, self.decoder.device
 
         def put(target: torch.Tensor, values: list) -> None:
@@ -331,6 +337,8 @@ class _Call:
 
         params = [self.params[row] for row in rows]
         put(pool.lengths, [len(self.prompts[row]) for row in rows])
+        if pool.rope_delta is not None:
+            put(pool.rope_delta, rope_deltas)
         put(pool.generated, [0] * len(rows))
         put(pool.seed, [self.seeds[row] for row in rows])
         put(pool.max_tokens, [p.max_tokens for p in params])
@@ -346,9 +354,10 @@ class _Call:
             self.row_of[slot], self.generated[slot] = row, 0
             self.bound[slot] = len(self.prompts[row])
 
-    def _prefill(self, rows: list[int], slots: list[int]) -> None:
+    def _prefill(self, rows: list[int], slots: list[int]) -> list[int]:
         """Runs each distinct prompt once and copies its keys and values to the slots of the
-        rows that share it, from column 0, and its next-token logits."""
+        rows that share it, from column 0, and its next-token logits; returns each row's rotary
+        offset (a vision-language model's; [] for a text model)."""
         pool, device = self.pool, self.decoder.device
         prefilled = prefill_distinct(self.decoder.engine, [self.prompts[row] for row in rows], 0)
         width = prefilled.prompt_mask.shape[1]
@@ -363,6 +372,7 @@ class _Call:
                 per_row = cached[group].transpose(1, 2)  # [rows, width, kv_heads, D]
                 index = source[:, :, None, None].expand_as(per_row)
                 buffer[target, :width] = per_row.gather(1, index)
+        return prefilled.rope_delta.tolist() if prefilled.rope_delta is not None else []
 
     def _collect(self, rows: int) -> None:
         """Reads which rows ended (one host round trip), passes on their tokens and frees their slots."""

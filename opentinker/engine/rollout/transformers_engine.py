@@ -24,6 +24,7 @@ from opentinker.engine.rollout.base import Completion, SamplingParams, WeightSou
 from opentinker.engine.rollout.compiled_decode import CompiledDecode
 from opentinker.engine.rollout.decode_batch import DecodeBatch
 from opentinker.engine.rollout.slot_decode import SlotDecoder
+from opentinker.engine.vision import VisionLayout
 
 #: ``on_tokens(rows, tokens)`` of :meth:`TransformersRolloutEngine.generate`.
 TokenCallback = Callable[[list[int], list[int]], None]
@@ -33,7 +34,8 @@ class TransformersRolloutEngine:
     """Generates with a Hugging Face causal LM held in this process.
 
     ``model`` is this engine's own copy (weights arrive through :meth:`update_weights`).
-    Prompts are left-padded so every row's next token sits in the last column.
+    Prompts are left-padded so every row's next token sits in the last column. A
+    vision-language model's prompts may carry pictures (:class:`~..vision.ImagePrompt`).
     """
 
     def __init__(
@@ -49,6 +51,9 @@ class TransformersRolloutEngine:
     ):
         if compile_decode and slot_decode:
             raise ValueError("TransformersRolloutEngine: compile_decode and slot_decode are two decode loops; pick one")
+        if compile_decode and VisionLayout.of(model.config) is not None:
+            raise ValueError("TransformersRolloutEngine: compile_decode takes text models; a vision-language model "
+                             "decodes with the eager step or slot_decode")
         self.model = model.eval()
         # torch.compile'd decode steps (:mod:`.compiled_decode`); None: the eager step.
         self.compiled_decode = CompiledDecode(self.model) if compile_decode else None
