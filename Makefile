@@ -18,7 +18,7 @@ RUN_ARGS ?= actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.use_kl
 # vLLM for CPU is part of the test set-up on Linux x86-64 (VLLM=0 skips it; its tests then skip).
 VLLM   ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
-.PHONY: run run-smollm2 train test install install-pretrained install-vllm install-cookbook install-openenv install-chromium venv clean gpu-check
+.PHONY: run run-vlm run-smollm2 train test install install-pretrained install-vllm install-cookbook install-openenv install-chromium venv clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ install-openenv: $(OPENENV_VENV)/.installed
 
 run: install
 	$(VENV)/bin/opentinker quickstart --steps $(STEPS) $(ARGS)
+
+# GRPO of the embedded tiny vision-language model on pictures of two digits, through the thin client.
+run-vlm: install
+	$(PY) examples/digit_sum_vlm.py $(ARGS)
 
 # The second quickstart: the real SmolLM2-135M-Instruct learning word problems (LoRA, GRPO).
 run-smollm2: install-pretrained

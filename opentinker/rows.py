@@ -4,7 +4,8 @@ dataset (``client/environment.py``) and by the server as a job's rows arrive
 row checks, the built-in task's, and prompt lengths in the served model's tokens).
 
 A row either carries its prompt (``prompt``: a non-empty list of ``{"role", "content"}`` chat
-messages, verl's format) or, in a job with interactions, is data-free and names its environment
+messages, verl's format; a content is a string or a list of text and picture parts, see
+``opentinker/images.py``) or, in a job with interactions, is data-free and names its environment
 through ``extra_info.interaction_kwargs`` (the environment's first observation opens the chat).
 It picks one of the job's interactions by ``extra_info.interaction_kwargs.name``, or implicitly
 when the job has exactly one.
@@ -17,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["ROLES", "interaction_kwargs", "prompt_problem", "row_shape_problem"]
+from opentinker.images import ImageError, image_url
+
+__all__ = ["ROLES", "interaction_kwargs", "parts_problem", "prompt_problem", "row_shape_problem"]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -28,14 +31,41 @@ def prompt_problem(prompt: Any) -> str | None:
         return f"'prompt' must be a non-empty list of chat messages [{{'role': ..., 'content': ...}}], " \
                f"got {type(prompt).__name__}"
     for i, message in enumerate(prompt):
-        if isinstance(message, Mapping) and isinstance(message.get("content"), list):
-            return (f"'prompt[{i}].content' is a list of parts (text and pictures): RL jobs take text prompts "
-                    "only so far; give 'content' as a string")
-        if not (isinstance(message, Mapping) and isinstance(message.get("content"), str)
-                and isinstance(message.get("role"), str)):
-            return f"'prompt[{i}]' must be a message object with string 'role' and 'content'"
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            problem = parts_problem(content)
+            if problem is not None:
+                return f"'prompt[{i}].content{problem}"
+        elif not isinstance(content, str):
+            content = None
+        if content is None or not isinstance(message.get("role"), str):
+            return (f"'prompt[{i}]' must be a message object with string 'role' and 'content' (a string, or a "
+                    "list of text and picture parts)")
         if message["role"] not in ROLES:
             return f"'prompt[{i}].role' must be one of {', '.join(ROLES)}, got {message['role']!r}"
+    return None
+
+
+def parts_problem(parts: list) -> str | None:
+    """What is wrong with a content list of parts (``[...]`` and the rest of the message, to
+    follow a field name), or None: each part a text part ``{"type": "text", "text": str}`` or a
+    picture part whose picture is a data URL (read and bounded only on the server)."""
+    if not parts:
+        return "' must not be an empty list of parts"
+    for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            if not isinstance(part.get("text"), str):
+                return f"[{j}].text' must be a string"
+            continue
+        try:
+            url = image_url(part)
+        except ImageError as error:
+            return f"[{j}]': {error}"
+        if url is None:
+            return (f"[{j}]' must be a text part {{'type': 'text', 'text': ...}} or a picture part "
+                    f"{{'type': 'image', 'image': 'data:image/png;base64,...'}} or {{'type': 'image_url', ...}}")
+        if not url.startswith("data:"):
+            return f"[{j}]': a picture must be a data: URL (the server fetches no URL a client names)"
     return None
 
 

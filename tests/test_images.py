@@ -146,7 +146,21 @@ def test_image_part_makes_a_data_url_from_bytes_a_file_or_a_pillow_image(tmp_pat
     assert error.value.limit == "format"
 
 
-def test_rows_with_pictures_are_refused_at_the_door_for_now():
-    chat = [{"role": "user", "content": [image_part(_png()), {"type": "text", "text": "What is it?"}]}]
-    assert "prompt[0].content' is a list of parts (text and pictures)" in prompt_problem(chat)
+def test_a_rows_parts_are_checked_for_shape_on_either_side():
+    """rows.prompt_problem (the client's and the door's): text parts and picture parts whose
+    picture is a data: URL; the picture itself is read on the server."""
+    text = {"type": "text", "text": "What is it?"}
+    assert prompt_problem([{"role": "user", "content": [image_part(_png()), text]}]) is None
+    assert prompt_problem([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png())}}]}]) is None
     assert prompt_problem([{"role": "user", "content": "What is it?"}]) is None
+    cases = [
+        ([], "'prompt[0].content' must not be an empty list of parts"),
+        ([text, {"type": "image", "image": "https://example.com/a.png"}],
+         "'prompt[0].content[1]': a picture must be a data: URL"),
+        ([{"type": "image"}], "'prompt[0].content[0]': an 'image' part needs its picture as a data URL string"),
+        ([{"type": "text", "text": 3}], "'prompt[0].content[0].text' must be a string"),
+        ([{"type": "video", "video": "data:video/mp4;base64,AAAA"}], "'prompt[0].content[0]' must be a text part"),
+        (["just a string"], "'prompt[0].content[0]' must be a text part"),
+    ]
+    for content, needle in cases:
+        assert needle in (prompt_problem([{"role": "user", "content": content}]) or ""), content

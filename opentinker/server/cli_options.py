@@ -66,6 +66,13 @@ def _operator_options(serve: argparse.ArgumentParser) -> None:
     operator.add_argument("--env-relay-buffer-mb", type=int, default=64, metavar="MB",
                           help="a relay's answers read and not yet handed to its job, in MB; past it the "
                           "relay stops reading (backpressure); answers to no call are dropped unread")
+    operator.add_argument("--max-image-bytes", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                          help="the largest picture file a dataset row may carry (a vision-language model's)")
+    operator.add_argument("--max-image-pixels", type=int, default=4096 * 4096, metavar="N",
+                          help="the most pixels (width x height, read from the file's header before any "
+                          "decoding) of one picture")
+    operator.add_argument("--max-images-per-row", type=int, default=8, metavar="N",
+                          help="the most pictures one dataset row may carry")
     operator.add_argument("--allow-interaction", action="append", default=[], metavar="module.Class",
                           help="also allow this Interaction class path in jobs (repeatable)")
     operator.add_argument("--judge-model", action="append", default=[], metavar="MODEL",

@@ -27,6 +27,7 @@ from typing import Any
 
 from opentinker.config import build_recipe, flatten
 from opentinker.environments.endpoints import EndpointPolicy
+from opentinker.images import ImageLimits
 from opentinker.recipe import RecipeSpec
 from opentinker.recipe.components import JobMode
 
@@ -88,6 +89,7 @@ class JobPolicy:
     max_env_shards: int = 16
     env_relays: bool = True  # interactions may use relay: client
     env_relay_in_flight: int = 256  # env calls one job's relay carries at once
+    image_limits: ImageLimits = ImageLimits()  # pictures in rows (--max-image-bytes, ...)
 
     @property
     def default_model(self) -> ServedModel:

@@ -182,7 +182,7 @@ class JobRunner(RelayDoor):
         registry = default_registry(allowed=self.policy.allowed_interactions)
         interactions = registry.build(self.spec.interactions, context=self.policy.interaction_context(self.job_id, self.relay))
         return RLTrainer(spec, train_rows=self.spec.dataset, val_rows=self.spec.val_dataset,
-                         interactions=interactions or None)
+                         interactions=interactions or None, image_limits=self.policy.image_limits)
 
     def _raise_if_cancelled(self) -> None:
         if self._cancel.is_set():

@@ -10,6 +10,7 @@ from typing import Any
 
 from opentinker.config import check_limits
 from opentinker.environments.endpoints import EndpointPolicy
+from opentinker.images import ImageLimits
 from opentinker.server.policy import JOB_CHECKPOINTS, JobPolicy, parse_served_models
 
 
@@ -67,6 +68,11 @@ class ServerSettings:
     # it the relay stops reading until they are (backpressure). Frames that answer no call sent
     # on that connection are dropped unread and never count.
     env_relay_buffer_mb: int = 64
+    # Pictures in dataset rows (a vision-language model's): each is refused before it is decoded
+    # when its file, side or pixel count is over these, or a row has more pictures.
+    max_image_bytes: int = 4 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_row: int = 8
     config_limits: dict[str, float] = field(default_factory=dict)  # upper bounds replacing config.RANGES'
     # Quotas per user: jobs running at once, and jobs waiting for a slot behind them.
     max_running_jobs_per_user: int = 2
@@ -160,7 +166,8 @@ class ServerSettings:
                      "tinker_cycle_tokens", "tinker_max_idle_models_per_user"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_env_relays_per_user", "env_relay_in_flight", "env_relay_buffer_mb"):
+        for name in ("max_env_relays_per_user", "env_relay_in_flight", "env_relay_buffer_mb", "max_image_bytes",
+                     "max_image_pixels", "max_images_per_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queued_jobs_per_user", "auth_failures_per_minute"):
@@ -199,6 +206,8 @@ class ServerSettings:
             max_env_shards=self.max_env_shards,
             env_relays=self.env_relays,
             env_relay_in_flight=self.env_relay_in_flight,
+            image_limits=ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
+                                     max_images_per_row=self.max_images_per_row),
         )
         unknown_loggers = set(self.loggers) - {"console", "wandb"}
         if unknown_loggers:

@@ -70,6 +70,7 @@ async def check_rows(
 
     def problems() -> list[str]:
         rules.tokenizer = tokenizers.get(model_name)
+        rules.pictures = tokenizers.pictures(model_name)
         return rows_problems(rows, field, rules)
 
     found = await asyncio.to_thread(problems)

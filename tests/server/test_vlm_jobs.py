@@ -1,0 +1,77 @@
+"""A server serving the embedded tiny VLM (``--model tiny-vlm``): a GRPO job whose rows carry
+pictures trains through the thin client, and the door refuses bad pictures by name before any
+job exists (the operator's bounds), as it refuses pictures for a text model."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from opentinker import GenericEnvironment, OpenTinkerClient
+from opentinker.client.errors import DatasetError, ValidationError
+from opentinker.environments import digit_sum
+from opentinker.images import image_part
+
+PIL = pytest.importorskip("PIL")
+
+CONFIG = {"actor_rollout_ref.model.path": "tiny-vlm", "data.task": "digit_sum", "data.max_response_length": 8,
+          "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+          "trainer.test_freq": 3, "data.val_batch_size": 16}
+
+
+def _rows(count: int, seed: int = digit_sum.TRAIN_SEED, split: str = "train") -> list[dict]:
+    return [p.as_row() for p in digit_sum.make_problems(count, seed, split)]
+
+
+def _with_picture(row: dict, picture: dict, copies: int = 1) -> dict:
+    text = row["prompt"][0]["content"][-1]
+    return {**row, "prompt": [{"role": "user", "content": [picture] * copies + [text]}]}
+
+
+@pytest.fixture
+def server(ray_cluster, tmp_path, helpers):
+    """A live server with the real job runner."""
+    live = helpers.LiveServer(helpers.test_settings(tmp_path, models=["tiny-vlm"], max_image_pixels=100 * 100,
+                                                    max_images_per_row=2), runner_cls=None).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+def test_a_job_with_pictures_trains_and_bad_pictures_are_refused_at_the_door(server, tmp_path, helpers):
+    key = helpers.make_user(tmp_path, "vera")
+    with OpenTinkerClient(server.url, key) as client:
+        handle = client.submit(GenericEnvironment(CONFIG, dataset=_rows(32),
+                                                  val_dataset=_rows(16, digit_sum.HELDOUT_SEED, "heldout")), steps=3)
+        info = handle.wait(progress=False)
+        assert info.status.value == "completed", info
+        metrics = [m["metrics"] for m in handle.metrics()]
+        assert [m["val/accuracy"] for m in metrics if "val/accuracy" in m][0] > 0.2  # the warm model reads them
+        assert all(0 <= m["reward/mean"] <= 1 for m in metrics if "reward/mean" in m)
+
+        good = _rows(1)[0]
+        big = io.BytesIO()
+        PIL.Image.new("RGB", (200, 120), "white").save(big, format="PNG")
+        cases = [
+            (_with_picture(good, image_part(big.getvalue())), "200 x 120 = 24,000 pixels is over the limit of "
+                                                              "10,000 (the server's --max-image-pixels)"),
+            (_with_picture(good, good["prompt"][0]["content"][0], copies=3),
+             "3 pictures are over the limit of 2 per row (the server's --max-images-per-row)"),
+            (_with_picture(good, image_part(digit_sum.DigitSumProblem(1, 2, 0).png()[:120])),  # truncated
+             "could not be decoded"),
+        ]
+        for row, needle in cases:
+            with pytest.raises(ValidationError) as refused:
+                client.submit(GenericEnvironment(CONFIG, dataset=[good, row]), steps=1)
+            assert needle in str(refused.value) and "dataset[1]" in str(refused.value), str(refused.value)
+        fetch = _with_picture(good, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})
+        with pytest.raises(DatasetError, match=r"dataset row 1: 'prompt\[0\].content\[0\]': a picture must be a data: URL"):
+            client.submit(GenericEnvironment(CONFIG, dataset=[good, fetch]), steps=1)  # the client's own check
+        with pytest.raises(ValidationError, match="a picture must be a data: URL"):  # and the server's
+            client.request("POST", "/v1/jobs", json={"config": CONFIG, "dataset": [good, fetch]})
+        with pytest.raises(ValidationError, match="not a vision-language model"):
+            client.submit(GenericEnvironment({**CONFIG, "actor_rollout_ref.model.path": "opentinker-tiny-arith"},
+                                             dataset=[good]), steps=1)
+        assert len(client.list_jobs()) == 1  # nothing refused became a job
