@@ -7,7 +7,7 @@ The shape of a row (its prompt, or a data-free row naming one of the job's inter
 ``opentinker/rows.py``'s, which the client applies too. Then:
 
 - without interactions the job's built-in task scores the row, so the task's own row check
-  applies (arithmetic, word_problems: ``reward_model.ground_truth`` is an integer);
+  applies (arithmetic, word_problems, digit_sum: ``reward_model.ground_truth`` is an integer);
 - with interactions the picked interaction class's ``row_problem`` check applies, if it has one;
 - the prompt, rendered with the served model's chat template, must fit
   ``data.max_prompt_length`` tokens (checked with the model's tokenizer, off the event loop);
