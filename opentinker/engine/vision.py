@@ -189,6 +189,27 @@ def vision_kwargs(images: Sequence[PromptImages | None], device: torch.device | 
     return {"pixel_values": pixels, "image_grid_thw": grids}
 
 
+#: The attribute a vision-language model keeps its vision encoder under (Qwen2-VL: ``model.visual``).
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+
+
+def vision_tower(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """A vision-language model's vision encoder (its qualified name and module); None for a
+    text model."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_TOWER_NAMES:
+            return name, module
+    return None
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> None:
+    """No gradient (so no optimizer state) for a vision-language model's vision encoder: RL on a
+    small model moves the language model, and a tower that drifts changes every picture's tokens."""
+    found = vision_tower(model)
+    if found is not None:
+        found[1].requires_grad_(False)
+
+
 class VisionPromptEncoder:
     """Chat messages with pictures -> an :class:`ImagePrompt` for a vision-language model
     folder: pictures read as untrusted input under ``limits`` (:mod:`opentinker.images`), the

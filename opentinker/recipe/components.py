@@ -52,6 +52,8 @@ class ModelSpec:
     lora_alpha: int = knob(16, "LoRA scale numerator (scale = alpha / rank)", range=(0, 4096), above_low=True)
     target_modules: str = knob("all-linear", "LoRA targets: all-linear or comma-separated module names, "
                                              "e.g. q_proj,v_proj")
+    train_vision: bool = knob(False, "a vision-language model: train its vision tower too (frozen by default; "
+                                     "LoRA adapts the language model only either way)")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Resume: a run stopped hard after step 3 and resumed with trainer.resume_mode=auto ends at
-step 6 exactly where an unbroken 6-step run does (metrics and weights)."""
+step 6 exactly where an unbroken 6-step run does (metrics and weights), also with pictures."""
 
 from __future__ import annotations
 
@@ -52,8 +52,12 @@ def run(overrides: list[str], out, stop_after: int = -1) -> int:
         process.kill()  # only where the wait timed out; a no-op for a finished process
 
 
-@pytest.mark.parametrize("backend", [[], ["actor_rollout_ref.actor.strategy=fsdp", "trainer.device=cpu",
-                                            "trainer.n_gpus_per_node=2"]], ids=["local", "fsdp-2-ranks"])
+@pytest.mark.parametrize("backend", [
+    [],
+    ["actor_rollout_ref.actor.strategy=fsdp", "trainer.device=cpu", "trainer.n_gpus_per_node=2"],
+    # Pictures: the tiny VLM on digit sums (the prompts' pixels are made again after the resume).
+    ["actor_rollout_ref.model.path=tiny-vlm", "data.task=digit_sum", "data.max_response_length=8"],
+], ids=["local", "fsdp-2-ranks", "vlm"])
 def test_a_killed_run_resumes_exactly(tiny_model_dir, tmp_path, backend):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     config = [*CONFIG, *backend]

@@ -147,3 +147,28 @@ def test_grpo_on_digit_sums_raises_heldout_accuracy_and_checkpoints_a_vlm_folder
     actor = tmp_path / "run" / "global_step_20" / "actor"
     assert (actor / "preprocessor_config.json").is_file()  # the folder reads pictures as the model did
     assert json.loads((actor / "config.json").read_text())["model_type"] == "qwen2_vl"
+    # The vision tower is frozen by default (actor_rollout_ref.model.train_vision): only the
+    # language model moved.
+    from safetensors.torch import load_file
+
+    trained = load_file(actor / "model.safetensors")
+    shipped = load_file(f"{resolve_model_path('tiny-vlm')}/model.safetensors")
+    vision = [name for name in shipped if ".visual." in f".{name}"]
+    assert vision and all(torch.equal(trained[name], shipped[name]) for name in vision)
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
+                           shipped["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_the_vision_tower_trains_only_when_asked_and_lora_adapts_the_language_model():
+    from opentinker.engine.backend import BackendSpec, make_backend
+    from opentinker.engine.backend.spec import LoraSettings
+
+    def trainable(**options) -> list[str]:
+        backend = make_backend(BackendSpec("tiny-vlm", device="cpu", **options))
+        return [name for name, p in backend.model.named_parameters() if p.requires_grad]
+
+    frozen, whole = trainable(), trainable(train_vision=True)
+    assert frozen and not any(".visual." in name for name in frozen)
+    assert set(whole) - set(frozen) and all(".visual." in name for name in set(whole) - set(frozen))
+    adapters = trainable(lora=LoraSettings(4), train_vision=True)
+    assert adapters and all("lora_" in name and "language_model" in name for name in adapters)

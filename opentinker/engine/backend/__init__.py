@@ -58,6 +58,10 @@ def make_backend(spec: BackendSpec) -> TrainingBackend:
     from opentinker.engine.backend.local import LocalBackend
 
     model = load_causal_lm(spec.model_path, device=pick_device(spec.device), trust_remote_code=spec.trust_remote_code)
+    if not spec.train_vision:
+        from opentinker.engine.vision import freeze_vision_tower
+
+        freeze_vision_tower(model)
     if spec.value_head:
         from opentinker.engine.backend.value_head import attach_value_head
 

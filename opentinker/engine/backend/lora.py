@@ -10,6 +10,7 @@ alone is exported too (``adapter/``, loadable with ``peft``).
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,9 +39,15 @@ def add_adapters(model, settings: LoraSettings):
     from ``settings.seed`` whatever the global RNG holds."""
     from peft import get_peft_model
 
+    from opentinker.engine.vision import vision_tower
+
+    config = settings.peft_config()
+    tower = vision_tower(model)
+    if tower is not None:  # a vision-language model: adapters on its language model only
+        config.exclude_modules = rf"{re.escape(tower[0])}(\..*)?"
     with torch.random.fork_rng(devices=[]), tied_unembed_allowed():
         torch.manual_seed(settings.seed)
-        return get_peft_model(model, settings.peft_config())
+        return get_peft_model(model, config)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class BackendSpec:
     value_head: bool = False  # a value model (PPO's critic): outputs are values (engine/backend/value_head.py)
     seed: int = 0  # of the weights the backend initialises (a value head) and its process's RNG
     multi_adapter: bool = False  # one adapter of many on a shared base (see the class)
+    train_vision: bool = False  # a vision-language model's vision tower trains too (else frozen)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -117,6 +118,7 @@ class BackendSpec:
             gradient_checkpointing=bool(model.enable_gradient_checkpointing),
             param_offload=bool(fsdp.param_offload),
             optimizer_offload=bool(fsdp.optimizer_offload),
+            train_vision=bool(model.train_vision),
         )
 
     @classmethod
