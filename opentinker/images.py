@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -52,6 +54,13 @@ class ImageLimits:
     max_side: int = 8192
     max_images_per_row: int = 8
     formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
+
+    @classmethod
+    def checked_upstream(cls) -> ImageLimits:
+        """For a process decoding pictures the server's API process has already read under the
+        operator's bounds (a Tinker worker): no size bound of its own, only the formats."""
+        huge = 2**62
+        return cls(max_bytes=huge, max_pixels=huge, max_side=huge, max_images_per_row=huge)
 
 
 def image_url(part: Any) -> str | None:
@@ -124,32 +133,106 @@ def data_url_payload(url: str, limits: ImageLimits = ImageLimits()) -> bytes:
 def read_image(data: bytes, limits: ImageLimits = ImageLimits()):
     """The decoded picture (a Pillow RGB image) of ``data``, each bound checked first (see the
     module's docstring)."""
+    with _checked(data, limits) as image:
+        try:
+            image.load()
+        except (OSError, SyntaxError, ValueError) as error:
+            raise ImageError(f"a picture could not be decoded (truncated or corrupt): {error}", "decode") from error
+        return image.convert("RGB")
+
+
+def image_size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
+    """``(width, height)`` of the picture ``data``, read from its header under ``limits``
+    (nothing decoded: what the API process checks before a worker decodes the picture)."""
+    with _checked(data, limits) as image:
+        return image.size
+
+
+@contextlib.contextmanager
+def _checked(data: bytes, limits: ImageLimits):
+    """The picture opened (its header read) with every bound but the decode's checked."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
         raise ImageError(f"a picture of {len(data):,} bytes is over the limit of {limits.max_bytes:,} bytes",
                          "max_bytes")
     try:
-        with Image.open(io.BytesIO(data), formats=list(limits.formats)) as image:  # reads the header only
-            width, height = image.size
-            if max(width, height) > limits.max_side:
-                raise ImageError(f"a picture of {width} x {height} pixels has a side over the limit of "
-                                 f"{limits.max_side}", "max_side")
-            if width * height > limits.max_pixels:
-                raise ImageError(f"a picture of {width} x {height} = {width * height:,} pixels is over the "
-                                 f"limit of {limits.max_pixels:,}", "max_pixels")
-            if getattr(image, "n_frames", 1) != 1:
-                raise ImageError(f"a picture must have one frame, this one has {image.n_frames}", "frames")
-            image.load()
-            return image.convert("RGB")
+        image = Image.open(io.BytesIO(data), formats=list(limits.formats))  # reads the header only
     except UnidentifiedImageError as error:
         raise ImageError(f"a picture must be one of {', '.join(limits.formats)}; this one is not", "format") from error
     except Image.DecompressionBombError as error:  # Pillow's own bound, below ours only if ours is raised
         raise ImageError(f"a picture is too large to decode: {error}", "max_pixels") from error
     except (OSError, SyntaxError, ValueError) as error:
-        if isinstance(error, ImageError):
-            raise
         raise ImageError(f"a picture could not be decoded (truncated or corrupt): {error}", "decode") from error
+    with image:
+        width, height = image.size
+        if max(width, height) > limits.max_side:
+            raise ImageError(f"a picture of {width} x {height} pixels has a side over the limit of "
+                             f"{limits.max_side}", "max_side")
+        if width * height > limits.max_pixels:
+            raise ImageError(f"a picture of {width} x {height} = {width * height:,} pixels is over the "
+                             f"limit of {limits.max_pixels:,}", "max_pixels")
+        if getattr(image, "n_frames", 1) != 1:
+            raise ImageError(f"a picture must have one frame, this one has {image.n_frames}", "frames")
+        yield image
+
+
+@dataclass(frozen=True)
+class PictureTokens:
+    """How a vision-language model folder turns a picture into tokens: its image token and its
+    (Qwen2-VL-style) processor's sizing, read from ``config.json`` and
+    ``preprocessor_config.json`` without torch."""
+
+    image_token_id: int
+    patch: int
+    merge: int
+    min_pixels: int
+    max_pixels: int
+
+    @classmethod
+    def of_folder(cls, folder: str | os.PathLike) -> PictureTokens | None:
+        """None for a text model (or a folder without a Qwen2-VL-style processor config)."""
+        import json
+        from pathlib import Path
+
+        folder = Path(folder)
+        try:
+            config = json.loads((folder / "config.json").read_text())
+            processor = json.loads((folder / "preprocessor_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(config, dict) or not isinstance(processor, dict) or "image_token_id" not in config:
+            return None
+        size = processor.get("size") or {}
+        try:
+            return cls(int(config["image_token_id"]), int(processor.get("patch_size", 14)),
+                       int(processor.get("merge_size", 2)),
+                       int(processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+                       int(processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280))
+        except (TypeError, ValueError):
+            return None
+
+    def count(self, width: int, height: int) -> int:
+        """The image tokens of a ``width`` x ``height`` picture."""
+        return qwen2_vl_tokens(width, height, self.patch, self.merge, self.min_pixels, self.max_pixels)
+
+
+def qwen2_vl_tokens(width: int, height: int, patch: int, merge: int, min_pixels: int, max_pixels: int) -> int:
+    """How many image tokens Qwen2-VL's processor makes of a ``width`` x ``height`` picture: it
+    resizes each side to a multiple of ``patch * merge`` (rounded), keeping the pixel count
+    within [min_pixels, max_pixels] at about the same aspect, then merges ``merge`` x ``merge``
+    patches into a token. (transformers' ``smart_resize``, as arithmetic: no torch.)"""
+    factor = patch * merge
+    if max(width, height) / min(width, height) > 200:
+        raise ImageError(f"a picture of {width} x {height} has an aspect ratio over 200", "aspect")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return (h // patch) * (w // patch) // (merge * merge)
 
 
 def read_message_images(messages: Any, limits: ImageLimits = ImageLimits()) -> list:

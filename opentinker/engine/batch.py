@@ -100,6 +100,12 @@ class TokenBatch:
     def row_images(self) -> list[PromptImages | None]:
         return self.images if self.images is not None else [None] * len(self)
 
+    def pictures_past_prompts(self) -> bool:
+        """Whether some row has pictures after its prompt (a Tinker datum's prompt is its first
+        token): the shared-prompt layout, whose response pass takes no pixels, cannot run it."""
+        return any(images is not None and images.covered > len(prompt)
+                   for prompt, images in zip(self.prompt_ids, self.row_images()))
+
     def prompt_keys(self) -> list[tuple]:
         """What tells the rows' prompts apart: their tokens and their pictures."""
         return [(tuple(p), images.key if images is not None else None)

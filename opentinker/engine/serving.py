@@ -105,7 +105,7 @@ def context_length(engine: Any) -> int:
     limit = getattr(engine, "max_model_len", None)
     model = getattr(engine, "model", None)
     if limit is None and model is not None:
-        limit = getattr(model.config, "max_position_embeddings", None)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return int(limit or 2**31)
 
 

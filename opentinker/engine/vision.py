@@ -119,17 +119,18 @@ class ImageProcessor:
 
 @dataclass(frozen=True, eq=False)
 class PromptImages:
-    """A prompt's pictures as the model takes them, and its tokens' positions.
+    """A sequence's pictures as the model takes them, and the positions of its first tokens.
 
-    Past the prompt every token is text: its rotary position is its text position plus
-    :attr:`rope_delta` on all three axes (a picture of h x w merged tokens advances the text
-    position by h x w but the rotary one by max(h, w)), so a response, a decode step or a later
-    environment turn continues from the prompt alone.
+    ``positions`` covers the sequence up to at least its last picture: a prompt (RL), or a whole
+    Tinker datum. Past what it covers every token is text: its rotary position is its text
+    position plus :attr:`rope_delta` on all three axes (a picture of h x w merged tokens advances
+    the text position by h x w but the rotary one by max(h, w)), so a response, a decode step or
+    a later environment turn continues from it alone.
     """
 
     pixel_values: torch.Tensor  # [patches, features]: every picture's, in order
     grids: tuple[Grid, ...]
-    positions: torch.Tensor  # [4, prompt length] (:func:`mrope_positions`)
+    positions: torch.Tensor  # [4, covered] (:func:`mrope_positions`)
     key: str  # a digest of the pixels and grids: two prompts are the same when tokens and key are
 
     @classmethod
@@ -141,8 +142,12 @@ class PromptImages:
         return cls(pixel_values, tuple(tuple(int(x) for x in g) for g in grids), positions, digest.hexdigest())
 
     @property
+    def covered(self) -> int:
+        return self.positions.shape[1]
+
+    @property
     def rope_delta(self) -> int:
-        return int(self.positions[1:].max()) + 1 - self.positions.shape[1]
+        return int(self.positions[1:].max()) + 1 - self.covered
 
 
 class ImagePrompt(list):
@@ -165,17 +170,19 @@ def prompt_key(prompt: Sequence[int]) -> tuple:
 
 
 def sequence_positions(images: PromptImages | None, prompt_length: int, length: int) -> torch.Tensor:
-    """[4, length] positions of a prompt of ``prompt_length`` tokens and what follows it."""
+    """[4, length] positions of a sequence of ``length`` tokens whose prompt (``prompt_length``
+    tokens) has ``images`` (their positions cover the prompt, or more)."""
     text = torch.arange(length)
     if images is None:
         return text.unsqueeze(0).expand(4, length).clone()
-    if images.positions.shape[1] != prompt_length:
-        raise ValueError(f"the prompt's pictures were placed for {images.positions.shape[1]} tokens, "
-                         f"the prompt has {prompt_length}")
+    covered = images.covered
+    if covered < prompt_length:
+        raise ValueError(f"the prompt's pictures were placed for {covered} tokens, the prompt has {prompt_length}")
     out = torch.empty(4, length, dtype=torch.long)
-    out[:, :prompt_length] = images.positions[:, :length]
-    out[0, prompt_length:] = text[prompt_length:]
-    out[1:, prompt_length:] = text[prompt_length:] + images.rope_delta
+    out[:, :min(covered, length)] = images.positions[:, :length]
+    if length > covered:
+        out[0, covered:] = text[covered:]
+        out[1:, covered:] = text[covered:] + images.rope_delta
     return out
 
 
@@ -229,6 +236,14 @@ class VisionPromptEncoder:
 
         layout = VisionLayout.of(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
         return None if layout is None else cls(folder, tokenizer, layout, limits)
+
+    def sequence_images(self, sequence_ids: Sequence[int], files: Sequence[bytes]) -> PromptImages:
+        """The pictures (encoded ``files``, read under the limits) of a sequence that already holds
+        each one's image tokens (a Tinker datum), placed over the whole sequence."""
+        from opentinker.images import read_image
+
+        pixel_values, grids = self.processor([read_image(bytes(data), self.limits) for data in files])
+        return PromptImages.of(pixel_values, grids, mrope_positions(list(sequence_ids), grids, self.layout))
 
     def encode(self, messages: Sequence[dict], rendered_ids: Sequence[int]) -> list[int]:
         """``rendered_ids`` (``messages`` through the chat template) with the pictures of

@@ -61,9 +61,12 @@ class ResponseScorer:
         responses, padded, on their KV cache) rather than in one call: only when enabled, some
         prompt repeats and some response has more than one token, and, when rows may be packed
         too, only if that computes fewer tokens than the packed row (many samples of long
-        prompts: the prompts once; ragged responses: the packed row)."""
+        prompts: the prompts once; ragged responses: the packed row). Never with pictures past a
+        prompt (the response pass takes no pixels)."""
         prompts = set(batch.prompt_keys())
         if not (self.share_prompt_prefix and len(prompts) < len(batch) and batch.response_width > 1):
+            return False
+        if batch.pictures_past_prompts():
             return False
         if not self.use_remove_padding:
             return True
@@ -74,7 +77,7 @@ class ResponseScorer:
     def _response_logits(self, model: PreTrainedModel, batch: TokenBatch, share_prefix: bool | None = None):
         """The logits at the positions that predict each response token: [B, r_i, V] pieces
         that together span the R response positions (kept apart: joining them copies [B, R, V])."""
-        if self.shares_prefix(batch) if share_prefix is None else share_prefix:
+        if (self.shares_prefix(batch) if share_prefix is None else share_prefix) and not batch.pictures_past_prompts():
             return self._shared_prefix_logits(model, batch)
         inputs = self._inputs(batch)
         # A 1-D logits_to_keep (columns kept in every row) is what every transformers 5.x

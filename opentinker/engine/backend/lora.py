@@ -39,15 +39,21 @@ def add_adapters(model, settings: LoraSettings):
     from ``settings.seed`` whatever the global RNG holds."""
     from peft import get_peft_model
 
+    with torch.random.fork_rng(devices=[]), tied_unembed_allowed():
+        torch.manual_seed(settings.seed)
+        return get_peft_model(model, lora_config(model, settings))
+
+
+def lora_config(model, settings: LoraSettings):
+    """peft's config of ``settings`` for ``model``: a vision-language model's adapters go on its
+    language model only (its vision tower is left out)."""
     from opentinker.engine.vision import vision_tower
 
     config = settings.peft_config()
     tower = vision_tower(model)
-    if tower is not None:  # a vision-language model: adapters on its language model only
+    if tower is not None:
         config.exclude_modules = rf"{re.escape(tower[0])}(\..*)?"
-    with torch.random.fork_rng(devices=[]), tied_unembed_allowed():
-        torch.manual_seed(settings.seed)
-        return get_peft_model(model, config)
+    return config
 
 
 @dataclass(frozen=True)

@@ -40,15 +40,16 @@ import torch
 
 from opentinker.engine.backend.base import clipped_adamw_step
 from opentinker.engine.backend.forward import ResponseScorer
-from opentinker.engine.backend.lora import LoraSettings, tied_unembed_allowed
+from opentinker.engine.backend.lora import LoraSettings, lora_config, tied_unembed_allowed
 from opentinker.engine.backend.losses import check_inputs, resolve_loss, weighted_loss
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
 from opentinker.engine.tinker.calls import ForwardBackwardCall
-from opentinker.engine.tinker.datums import datum_limits, per_datum, token_batch
+from opentinker.engine.tinker.datums import datum_limits, datum_pictures, per_datum, token_batch
 from opentinker.engine.tinker.pass_plan import PassLimits, cut_rows, join_pieces
+from opentinker.images import ImageLimits
 from opentinker.engine.tinker.adapter_state import (
     Adapter, offload, read_adapter_state, reload, write_adapter_state, write_sampler_adapter,
 )
@@ -100,6 +101,9 @@ class AdapterWorker:
         self.spec = resolved_spec(base.shared_base())  # a ValueError unless base is multi_adapter
         self.device = pick_device(self.spec.device)
         self.vocab_size, self.context = datum_limits(self.spec.model_path, self.spec.trust_remote_code)
+        # A vision-language model's: datums' pictures, already read under the server's bounds.
+        self.pictures = datum_pictures(self.spec.model_path, self.spec.trust_remote_code,
+                                       ImageLimits.checked_upstream())
         self.base = self._load_base(self.spec)
         self.model: Any = None  # the peft model, made with the first adapter
         # Rows are scored as padded rows: prefix sharing and packing would mix rows of
@@ -125,7 +129,8 @@ class AdapterWorker:
         return base.requires_grad_(False)
 
     def ready(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "context": self.context}
+        return {"vocab_size": self.vocab_size, "context": self.context,
+                "image_token_id": self.pictures.layout.image_token_id if self.pictures is not None else None}
 
     def stats(self) -> dict[str, Any]:
         import resource
@@ -178,7 +183,7 @@ class AdapterWorker:
     def _attach(self, adapter: Adapter) -> None:
         """Fresh LoRA weights for ``adapter`` in the shared model, from its seed (the same
         values peft gives a model of its own with that seed)."""
-        config = adapter.settings.peft_config()
+        config = lora_config(self.base, adapter.settings)
         with torch.random.fork_rng(devices=[]), tied_unembed_allowed():
             torch.manual_seed(adapter.settings.seed)
             if self.model is None:
@@ -254,7 +259,7 @@ class AdapterWorker:
         for index, call in enumerate(calls):
             try:
                 adapter = self._adapter(call.model_id)
-                batch = token_batch(call.data, self.vocab_size, self.context)
+                batch = token_batch(call.data, self.vocab_size, self.context, self.pictures)
                 loss, config = resolve_loss(call.loss_fn, call.loss_config)
                 check_inputs(loss, batch.tensors, tuple(batch.response_mask.shape))
             except Exception as error:  # noqa: BLE001 - that call's own failure
@@ -294,7 +299,8 @@ class AdapterWorker:
             parts = parts + self._filler(group, train)
         names = [item.adapter.name for item, part, _ in parts for _ in range(len(part))]
         combined = TokenBatch.from_responses([p for _, part, _ in parts for p in part.prompt_ids],
-                                             [r for _, part, _ in parts for r in part.response_ids])
+                                             [r for _, part, _ in parts for r in part.response_ids],
+                                             images=[i for _, part, _ in parts for i in part.row_images()])
         needs_entropy = {id(item): item.loss.needs_entropy(item.config) for item in group}
 
         def model(**inputs):

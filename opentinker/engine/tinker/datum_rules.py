@@ -12,6 +12,9 @@ from opentinker.tinker_losses import INPUT_NAMES  # Tinker's per-token input nam
 
 #: One datum as the server passes it: the model input's N token ids and the per-token inputs.
 Datum = tuple[np.ndarray, Mapping[str, np.ndarray]]
+#: The inputs key of a datum's pictures (a vision-language model's image chunks): their encoded
+#: files, in the order of their runs of image tokens in the model input.
+PICTURES = "pictures"
 
 
 class DatumError(ValueError):
@@ -19,10 +22,12 @@ class DatumError(ValueError):
 
 
 def check_datum(index: int, tokens: Sequence[int] | np.ndarray, targets: Sequence[int] | np.ndarray,
-                vocab_size: int | None, context: int | None) -> None:
+                vocab_size: int | None, context: int | None, image_token_id: int | None = None) -> None:
     """:class:`DatumError` for a datum the model cannot take: more than its ``context``
     positions (the N input tokens plus the last target), a token past its vocabulary, or
-    targets that are not next tokens. (Array operations: a request may hold 1M tokens.)"""
+    targets that are not next tokens (a target whose next input is a picture's token is free:
+    a client cannot spell it; its weight should be 0). (Array operations: a request may hold 1M
+    tokens.)"""
     tokens, targets = np.asarray(tokens), np.asarray(targets)
     if context is not None and len(tokens) + 1 > context:
         raise DatumError(f"data[{index}]: {len(tokens)} model input tokens (plus the last target: "
@@ -30,7 +35,10 @@ def check_datum(index: int, tokens: Sequence[int] | np.ndarray, targets: Sequenc
     top = max(int(tokens.max(initial=0)), int(targets.max(initial=0)))
     if vocab_size is not None and top >= vocab_size:
         raise DatumError(f"data[{index}]: token id {top} is past the model's vocabulary ({vocab_size} ids)")
-    mismatch = np.flatnonzero(tokens[1:] != targets[:len(tokens) - 1])
+    differs = tokens[1:] != targets[:len(tokens) - 1]
+    if image_token_id is not None:
+        differs &= tokens[1:] != image_token_id
+    mismatch = np.flatnonzero(differs)
     if mismatch.size:
         first = int(mismatch[0])
         raise DatumError(
@@ -39,10 +47,11 @@ def check_datum(index: int, tokens: Sequence[int] | np.ndarray, targets: Sequenc
             "model_input[i+1], the last target free)")
 
 
-def check_datums(data: Sequence[Datum], vocab_size: int | None, context: int | None) -> None:
+def check_datums(data: Sequence[Datum], vocab_size: int | None, context: int | None,
+                 image_token_id: int | None = None) -> None:
     """Every datum of a request, and that an optional input is on all datums or none."""
     for index, (tokens, inputs) in enumerate(data):
-        check_datum(index, tokens, inputs["target_tokens"], vocab_size, context)
+        check_datum(index, tokens, inputs["target_tokens"], vocab_size, context, image_token_id)
     for name in INPUT_NAMES:
         present = [name in inputs for _, inputs in data]
         if any(present) and not all(present):

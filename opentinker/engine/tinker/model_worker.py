@@ -20,7 +20,8 @@ import torch
 from opentinker.engine.backend import BackendSpec, make_backend
 from opentinker.engine.cpu_threads import use_node_cores
 from opentinker.engine.tinker.adam import adam_params, tinker_step_metrics
-from opentinker.engine.tinker.datums import Datum, datum_limits, per_datum, token_batch
+from opentinker.engine.tinker.datums import Datum, datum_limits, datum_pictures, per_datum, token_batch
+from opentinker.images import ImageLimits
 
 SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
 class TinkerModelWorker:
@@ -31,6 +32,8 @@ class TinkerModelWorker:
         torch.manual_seed(spec.seed)
         self.spec = resolved_spec(spec)
         self.vocab_size, self.context = datum_limits(self.spec.model_path, spec.trust_remote_code)
+        # A vision-language model's: datums' pictures, already read under the server's bounds.
+        self.pictures = datum_pictures(self.spec.model_path, spec.trust_remote_code, ImageLimits.checked_upstream())
         self.backend = make_backend(self.spec)
 
     def ready(self) -> dict[str, Any]:
@@ -40,7 +43,7 @@ class TinkerModelWorker:
                          forward_only: bool) -> dict[str, Any]:
         """Per datum ``logprobs`` and ``elementwise_loss`` (length N each) and the metrics;
         ``forward_only`` leaves the gradients as they are."""
-        batch = token_batch(data, self.vocab_size, self.context)
+        batch = token_batch(data, self.vocab_size, self.context, self.pictures)
         primitive = self.backend.forward_loss if forward_only else self.backend.forward_backward
         result = primitive(batch, loss_fn, dict(loss_config))
         outputs = per_datum(batch, logprobs=result.logprobs, elementwise_loss=result.elementwise_loss)

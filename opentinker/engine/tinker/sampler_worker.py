@@ -37,7 +37,10 @@ from opentinker.engine.tinker.row_adapters import (
     adapter_bytes,
     is_adapter_folder,
 )
+from opentinker.engine.tinker.datums import datum_pictures
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
+from opentinker.engine.vision import ImagePrompt, images_of, sequence_positions, vision_kwargs
+from opentinker.images import ImageLimits
 
 BASE = ""  # the snapshot key of the base model's own weights
 ADAPTERS_KEPT = 256  # LoRA snapshots kept loaded at most, however small
@@ -60,7 +63,9 @@ class TinkerSampler:
             model_path, device=pick_device(device), trust_remote_code=trust_remote_code, seed=seed)
         model = self.engine.model
         self.max_length = context_length(self.engine)
-        self.vocab_size = int(model.config.vocab_size)
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        # A vision-language model's: prompts' pictures, already read under the server's bounds.
+        self.pictures = datum_pictures(model_path, trust_remote_code, ImageLimits.checked_upstream())
         # The base weights stay at hand so that a base-model request after a snapshot's is
         # served without reading the model folder again.
         self._base = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
@@ -95,6 +100,11 @@ class TinkerSampler:
         most ``DEFAULT_MAX_TOKENS``), ``prompt_logprobs``, ``topk_prompt``, ``last_n`` and
         ``user`` (whose share of the batch it takes). Sample i uses seed+i when seeded."""
         prompt = list(request["prompt"])
+        files = request.get("pictures") or ()
+        if files:
+            if self.pictures is None:
+                raise ValueError("prompt: image chunks, but this model is not a vision-language model")
+            prompt = ImagePrompt(prompt, self.pictures.sequence_images(prompt, files))
         params = dict(request["params"])
         if params.get("max_tokens") is None:
             params["max_tokens"] = default_max_tokens(len(prompt), self.max_length)
@@ -154,7 +164,11 @@ class TinkerSampler:
         model = self.engine.model
         ids = torch.tensor([prompt], device=self.engine.device)
         self.row_adapters.set([work.adapter])
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        images = images_of(prompt)
+        pictures = {} if images is None else {
+            "position_ids": sequence_positions(images, len(prompt), len(prompt)).unsqueeze(1).to(ids.device),
+            **vision_kwargs([images], ids.device)}
+        logits = model(input_ids=ids, use_cache=False, **pictures).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         scored = logprobs.gather(-1, ids[0, 1:, None])[:, 0].cpu()
         first = 1 if last_n is None else len(prompt) - last_n

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentinker.images import PictureTokens
 from opentinker.server.policy import ServedModel
 
 log = logging.getLogger("opentinker.server.tinker")
@@ -37,6 +38,7 @@ class ModelFacts:
     # unembedding adapted (an upper bound for fewer targets), None: unknown
     lora_params_per_rank: int | None = None
     hidden_size: int | None = None  # the model's width: every adapted layer has it on one side
+    pictures: PictureTokens | None = None  # a vision-language model's: how a picture becomes tokens
 
 
 def model_folder(model: ServedModel) -> Path | None:
@@ -45,6 +47,10 @@ def model_folder(model: ServedModel) -> Path | None:
         from opentinker.tiny import tiny_model_dir  # no torch: the shipped folder
 
         return tiny_model_dir()
+    from opentinker.tiny_vlm import SHIPPED_DIR, TINY_VLM_PRESET
+
+    if model.path == TINY_VLM_PRESET:
+        return SHIPPED_DIR
     from opentinker.pretrained import PretrainedModelError
     from opentinker.pretrained.convert import converted_folder
 
@@ -128,7 +134,8 @@ def read_model_facts(model: ServedModel) -> ModelFacts:
         config = json.loads((folder / "config.json").read_text())
         if not isinstance(config, dict):
             return ModelFacts(None, _weight_bytes(folder))
-        return ModelFacts(_context(config), _weight_bytes(folder), _lora_params_per_rank(config), _hidden_size(config))
+        return ModelFacts(_context(config), _weight_bytes(folder), _lora_params_per_rank(config), _hidden_size(config),
+                          PictureTokens.of_folder(folder))
     except (OSError, ValueError) as error:
         log.warning("tinker: cannot read the facts of model %s from %s: %s", model.name, folder, error)
         return ModelFacts(None, None)

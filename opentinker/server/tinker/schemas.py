@@ -144,12 +144,19 @@ class EncodedText(_Body):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
+class ImageChunk(_Body):
+    type: Literal["image"] = "image"
+    data: str = Field(max_length=64 * 1024 * 1024)  # base64; the picture's own bound is the server's
+    format: str = Field(max_length=16)
+    expected_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+
+
 class OtherChunk(_Body):
     type: str
 
 
 class ModelInput(_Body):
-    chunks: list[Union[EncodedText, OtherChunk]] = Field(min_length=1)
+    chunks: list[Union[EncodedText, ImageChunk, OtherChunk]] = Field(min_length=1)
 
 
 class SamplingParams(_Body):

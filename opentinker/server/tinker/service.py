@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentinker.images import ImageLimits
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.pass_plan import PassLimits
 from opentinker.server.checkpoint_caps import folder_bytes, server_cap
@@ -79,6 +80,7 @@ class TinkerSettings:
     max_checkpoint_ttl_s: int = 10 * 365 * 86400  # the longest ttl_seconds a save may ask
     max_server_checkpoint_bytes: int = 200 * 2**30  # every checkpoint on the server, all users' and RL jobs'
     housekeeping_s: float = 10.0
+    image_limits: ImageLimits = ImageLimits()  # pictures in image chunks (--max-image-bytes, ...)
     host: HostSettings = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -191,6 +193,14 @@ class TinkerService:
     def context_length(self, base_model: str) -> int | None:
         """The served model's context in tokens (its config's max_position_embeddings), if known."""
         return self.facts.get(self.served_model(base_model)).context
+
+    def picture_reading(self, base_model: str) -> Any:
+        """How the served model reads image chunks (a vision-language model's), under the
+        operator's picture bounds; None for a text model."""
+        from opentinker.server.tinker.wire import PictureReading
+
+        tokens = self.facts.get(self.served_model(base_model)).pictures
+        return None if tokens is None else PictureReading(tokens, self.settings.image_limits)
 
     def admit_model(self, served: ServedModel, spec: BackendSpec) -> int:
         """The memory estimate a new model of ``served`` holds once admitted (0 when its size is
@@ -389,6 +399,7 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
         max_checkpoint_bytes_per_user=int(settings.tinker_max_checkpoint_gb * 2**30),
         max_checkpoint_ttl_s=settings.tinker_max_checkpoint_ttl_s,
         max_server_checkpoint_bytes=int(settings.max_checkpoint_gb * 2**30),
+        image_limits=settings.job_policy.image_limits,
         host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
                           max_resident_adapters=settings.tinker_max_resident_adapters,
                           offload_dir=str(settings.data_dir / "tinker" / "offload"),

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from opentinker.engine.tinker.datum_rules import PICTURES
+from opentinker.images import ImageError, ImageLimits, PictureTokens, image_size
 from opentinker.server.tinker.proto_budget import ParseBudgetError, check_parse_budget
 from opentinker.tinker_losses import TINKER_LOSSES
 
@@ -111,24 +113,61 @@ def _tensor(message: pb.Tensor, where: str, length: int) -> np.ndarray:
     return np.frombuffer(dense, dtype=dtype)
 
 
-def _tokens(datum: pb.Datum, where: str, context: int | None) -> np.ndarray:
-    count = 0
+def _tokens(datum: pb.Datum, where: str, context: int | None, pictures: PictureReading | None
+            ) -> tuple[np.ndarray, tuple[bytes, ...]]:
+    """The datum's model input as token ids (each picture as its image tokens) and its pictures."""
+    pieces, files, count = [], [], 0
     for index, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise WireError(f"{where}.model_input[{index}]: only token chunks are supported "
-                            f"(got {kind or 'an empty chunk'}; this server trains text models)")
-        if len(chunk.encoded_text.tokens) % 4:
-            raise WireError(f"{where}.model_input[{index}]: token bytes are not int32 values")
-        count += len(chunk.encoded_text.tokens) // 4
+        if kind == "image":
+            if pictures is None:
+                raise WireError(f"{where}.model_input[{index}]: an image chunk, but this model is not a "
+                                "vision-language model (token chunks only)")
+            image, place = chunk.image, f"{where}.model_input[{index}]"
+            if image.HasField("override_dimensions"):
+                raise WireError(f"{place}: override_dimensions is not supported (the picture is sized by its processor)")
+            expected = image.expected_tokens if image.HasField("expected_tokens") else None
+            tokens = pictures.image_tokens(image.data, image.format, expected, place)
+            files.append(image.data)
+        elif kind == "encoded_text":
+            if len(chunk.encoded_text.tokens) % 4:
+                raise WireError(f"{where}.model_input[{index}]: token bytes are not int32 values")
+            tokens = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)
+        else:
+            raise WireError(f"{where}.model_input[{index}]: {kind or 'an empty chunk'} chunks are not supported "
+                            "(token and image chunks)")
+        pieces.append(tokens)
+        count += tokens.size
     if count == 0:
         raise WireError(f"{where}.model_input: no tokens")
     # The model sees the N input tokens and the last target: N + 1 positions.
     if context is not None and count + 1 > context:
         raise WireError(f"{where}: {count} model input tokens (plus the last target: {count + 1} positions) are "
                         f"more than the model's context of {context} tokens; at most {context - 1} input tokens")
-    return np.concatenate([np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)
-                           for chunk in datum.model_input]).astype(np.int64)
+    return np.concatenate(pieces).astype(np.int64), tuple(files)
+
+
+@dataclass(frozen=True)
+class PictureReading:
+    """How image chunks become tokens for one vision-language model, under the server's bounds."""
+
+    tokens: PictureTokens
+    limits: ImageLimits
+
+    def image_tokens(self, data: bytes, fmt: str, expected: int | None, where: str) -> np.ndarray:
+        """An image chunk's tokens (its picture's header read under the bounds, nothing decoded);
+        a WireError for a bad picture or an ``expected`` token count that is not the count."""
+        if fmt not in ("png", "jpeg"):
+            raise WireError(f"{where}: image format {fmt!r}; expected png or jpeg")
+        try:
+            width, height = image_size(data, self.limits)
+            count = self.tokens.count(width, height)
+        except ImageError as error:
+            raise WireError(f"{where}: {error}") from None
+        if expected is not None and expected != count:
+            raise WireError(f"{where}: expected_tokens is {expected}, but this {width} x {height} picture is "
+                            f"{count} tokens for this model")
+        return np.full(count, self.tokens.image_token_id, dtype=np.int64)
 
 
 def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
@@ -150,12 +189,14 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return message
 
 
-def decode_forward_backward(message: pb.ForwardBackwardRequest | bytes, context: int | None = None
-                            ) -> ForwardBackwardCall:
+def decode_forward_backward(message: pb.ForwardBackwardRequest | bytes, context: int | None = None,
+                            pictures: PictureReading | None = None) -> ForwardBackwardCall:
     """A ``ForwardBackwardRequest`` as plain arrays, every datum checked against its loss and
     the model: known loss and options, at most :data:`MAX_DATUMS` datums, each within the
     model's ``context`` (tokens), the inputs it needs, dense with the right dtypes and one value
-    per input token, token ids that are not negative."""
+    per input token, token ids that are not negative. Image chunks need ``pictures`` (a
+    vision-language model's): each becomes its image tokens, its file kept in the datum's
+    inputs under :data:`PICTURES`."""
     if isinstance(message, bytes):
         message = parse_forward_backward(message)
     loss = message.loss_fn
@@ -174,8 +215,8 @@ def decode_forward_backward(message: pb.ForwardBackwardRequest | bytes, context:
         # Provenance spans (model_input_spans / loss_fn_input_spans) are accepted and not read:
         # Tinker's 'stable_reinforce' looks sampling-time records up by them; this server's
         # takes the sampler's logprobs from the datum (engine/backend/losses.py).
-        tokens = _tokens(raw, where, context)
-        inputs = {}
+        tokens, files = _tokens(raw, where, context, pictures)
+        inputs: dict[str, Any] = {}
         for name, tensor in raw.loss_fn_inputs.items():
             if name not in INPUT_DTYPES:
                 raise WireError(f"{where}.loss_fn_inputs: unknown input {name!r} (known: {', '.join(INPUT_DTYPES)})")
@@ -190,6 +231,8 @@ def decode_forward_backward(message: pb.ForwardBackwardRequest | bytes, context:
                             f"(it takes: {', '.join(('target_tokens', *needed))})")
         if (tokens < 0).any() or (inputs["target_tokens"] < 0).any():
             raise WireError(f"{where}: token ids must not be negative")
+        if files:
+            inputs[PICTURES] = files
         data.append(Datum(tokens, inputs))
     return ForwardBackwardCall(message.model_id, message.seq_id or None, loss, config, message.forward_only, data)
 

@@ -207,7 +207,8 @@ class SharedBase:
             return self._enqueue(call.model_id, user_id, True, call, self.cycle_limits.rows_cost(lengths))
         future = asyncio.get_running_loop().create_future()
         try:  # before any chunk trains: a chunk must not fail on a datum after others trained
-            check_datums(call.data, self.limits.get("vocab_size"), self.limits.get("context"))
+            check_datums(call.data, self.limits.get("vocab_size"), self.limits.get("context"),
+                         self.limits.get("image_token_id"))
         except DatumError as error:
             future.set_exception(UserError(str(error)))
             return future

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import Depends, Path
 
+from opentinker.images import ImageError, data_url_payload
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
 from opentinker.server.tinker import schemas, wire
@@ -73,9 +74,36 @@ def _refuse_sample_options(body: schemas.SampleRequest) -> None:
     named = [name for name, asked in refused.items() if asked]
     if named:
         raise user_error(f"asample: not supported by this server: {', '.join(named)}")
-    chunks = [chunk for chunk in body.prompt.chunks if not isinstance(chunk, schemas.EncodedText)]
+    chunks = [chunk for chunk in body.prompt.chunks if isinstance(chunk, schemas.OtherChunk)]
     if chunks:
-        raise user_error(f"asample: prompt chunks of type {chunks[0].type!r} are not supported (token chunks only)")
+        kind = chunks[0].type
+        why = (" (the server reads no file or URL a client names; send the picture's bytes as an image chunk)"
+               if kind == "image_asset_pointer" else "")
+        raise user_error(f"asample: prompt chunks of type {kind!r} are not supported (token and image chunks){why}")
+
+
+def _prompt(svc: TinkerService, base_model: str, chunks: list) -> tuple[list[int], list[bytes]]:
+    """The prompt's token ids (each picture as its image tokens) and its pictures' files."""
+    tokens: list[int] = []
+    files: list[bytes] = []
+    reading = None
+    for index, chunk in enumerate(chunks):
+        if isinstance(chunk, schemas.EncodedText):
+            tokens.extend(chunk.tokens)
+            continue
+        where = f"prompt.chunks[{index}]"
+        reading = reading or svc.picture_reading(base_model)
+        if reading is None:
+            raise user_error(f"{where}: an image chunk, but this model is not a vision-language model")
+        if chunk.format not in ("png", "jpeg"):
+            raise user_error(f"{where}: image format {chunk.format!r}; expected png or jpeg")
+        try:
+            data = data_url_payload(f"data:image/{chunk.format};base64,{chunk.data}", reading.limits)
+            tokens.extend(reading.image_tokens(data, chunk.format, chunk.expected_tokens, where).tolist())
+        except (ImageError, wire.WireError) as error:
+            raise user_error(f"{where}: {error}" if isinstance(error, ImageError) else str(error)) from None
+        files.append(data)
+    return tokens, files
 
 
 def _engine_params(params: schemas.SamplingParams) -> dict[str, Any]:
@@ -107,7 +135,7 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
     else:
         base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path)
     snapshot = owned_checkpoint(svc, model_path, user, "sampler_weights").folder if model_path else ""
-    prompt = [token for chunk in body.prompt.chunks for token in chunk.tokens]
+    prompt, pictures = _prompt(svc, base_model, body.prompt.chunks)
     if not prompt or min(prompt) < 0:
         raise user_error("asample: the prompt needs at least one token, and token ids are not negative")
     last_n = body.prompt_logprobs_last_n
@@ -131,7 +159,7 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
     row = svc.futures.add(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id)
     call = {"snapshot": snapshot, "prompt": prompt, "params": params, "user": user.id,
             "num_samples": body.num_samples, "prompt_logprobs": bool(body.prompt_logprobs),
-            "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n}
+            "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n, "pictures": pictures}
     # Reported to the session's retrieve_futures feed (a cloned sampling client: seq_id // 1e9).
     feed = None if body.sampling_session_id is None else (body.sampling_session_id, (body.seq_id or 0) // 10**9)
     svc.spawn(_sample(svc, served, call, request_id, cost, feed))

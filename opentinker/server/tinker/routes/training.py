@@ -176,6 +176,13 @@ def _context(svc: TinkerService, model: ModelRow) -> int | None:
         return None
 
 
+def _pictures(svc: TinkerService, model: ModelRow):
+    try:
+        return svc.picture_reading(model.base_model)
+    except UserError:
+        return None
+
+
 @router.post("/forward_backward", openapi_extra=openapi.binary_body(), responses=errors(400, 404, 429))
 async def forward_backward(request: Request, user: User = Depends(tinker_user),
                            svc: TinkerService = Depends(service)) -> dict[str, Any]:
@@ -189,7 +196,8 @@ async def forward_backward(request: Request, user: User = Depends(tinker_user),
         raise user_error(str(error)) from None
     model = usable_model(svc, message.model_id, user)
     try:
-        call = await _on_loop_if_small(len(body), wire.decode_forward_backward, message, _context(svc, model))
+        call = await _on_loop_if_small(len(body), wire.decode_forward_backward, message, _context(svc, model),
+                                       _pictures(svc, model))
     except wire.WireError as error:
         refuse_seq(svc, message.model_id, message.seq_id or None, user)
         raise user_error(str(error)) from None
