@@ -91,6 +91,14 @@ def message_images(messages: Any) -> Iterator[str]:
 _MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpeg"))
 
 
+def turn_with_pictures(text: str, urls: list[str]) -> str | list[dict[str, Any]]:
+    """A user turn: ``text`` as it is, or with pictures the content list of their image parts
+    (HF-style, each a data URL) followed by the text."""
+    if not urls:
+        return text
+    return [*({"type": "image", "image": url} for url in urls), {"type": "text", "text": text}]
+
+
 def image_part(source: Any) -> dict[str, str]:
     """An HF-style image part ``{"type": "image", "image": <data URL>}`` of a picture given as
     PNG, JPEG or WebP bytes, a file's path, or a Pillow image (written as PNG)."""

@@ -8,6 +8,11 @@ interaction is finalized whenever its start was attempted, errors (a failed rese
 A trajectory is ``excluded`` (left out of the loss and of its group's statistics) when its
 environment failed and no ``env_error_reward`` is configured, or when an env-provided
 prompt is longer than ``max_prompt_length``.
+
+With a vision-language model, the prompt and every environment turn may hold pictures (a
+content list of text and picture parts): each turn's placeholders are widened to the picture's
+tokens as it is appended (still mask 0), and the trajectory carries the pixels and positions of
+its whole sequence (``images``). A picture the loop cannot read is the environment's error.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.rollout import Completion, SamplingParams
+from opentinker.engine.vision import ConversationPictures, PromptImages, VisionPromptEncoder, Widened
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
     TRUNCATED,
@@ -44,10 +50,13 @@ STOP_REASONS = (
     "max_response_length",  # the total response budget (model + environment tokens) ran out
     "prompt_too_long",  # an env-provided prompt exceeds max_prompt_length: ended before generation
     "env_error",  # the environment server failed (HTTP error, timeout, bad JSON)
+    # a vision-language model sampled its image token, which only a picture may hold: the
+    # sequence cannot be scored (its pictures and image tokens would not match)
+    "sampled_image_token",
 )
 #: Stop reasons after which a trajectory has no reward of its own: it is excluded, or (env_error
 #: with a configured env_error_reward) gets that reward.
-EXCLUDABLE_STOP_REASONS = ("env_error", "prompt_too_long")
+EXCLUDABLE_STOP_REASONS = ("env_error", "prompt_too_long", "sampled_image_token")
 
 
 class AgentState(enum.Enum):
@@ -97,6 +106,7 @@ class Trajectory:
     messages: list[dict[str, str]]
     info: dict[str, Any] = field(default_factory=dict)
     excluded: bool = False
+    images: PromptImages | None = None  # the pictures of the prompt and env turns (a VLM's)
 
 
 class AgentLoop:
@@ -109,12 +119,14 @@ class AgentLoop:
         templater: ChatTemplater,
         config: AgentLoopConfig,
         sampling: SamplingParams,
+        pictures: VisionPromptEncoder | None = None,
     ):
         self.generate = generate
         self.tokenizer = tokenizer
         self.templater = templater
         self.config = config
         self.sampling = sampling
+        self.pictures = pictures  # a vision-language model's encoder (None: a text model)
 
     async def run(
         self,
@@ -157,6 +169,7 @@ class _Run:
         self.error_url: str | None = None
         self.env_unreachable = False  # the env error was an outage (EnvironmentServerError.unreachable)
         self.env_timeout = False  # a call ran past the interaction's deadline
+        self.pictures = ConversationPictures(loop.pictures)
 
     async def execute(self) -> Trajectory:
         try:
@@ -193,7 +206,8 @@ class _Run:
                 self.messages.append({"role": "user", "content": first.observation})
         if not self.messages:
             raise ValueError("an agent loop needs prompt messages or a data-free interaction")
-        self.prompt_ids = self.loop.templater.prompt_ids(self.messages)
+        opening = self._with_pictures(self.messages, self.loop.templater.prompt_ids(self.messages))
+        self.prompt_ids = self.pictures.keep(opening)
         limit = self.cfg.max_prompt_length
         if env_prompt and limit is not None and len(self.prompt_ids) > limit:
             self.error = (f"the environment's prompt has {len(self.prompt_ids)} tokens, "
@@ -206,8 +220,11 @@ class _Run:
         if budget <= 0:
             return self._stop("max_response_length")
         params = replace(self.loop.sampling, max_tokens=budget)
-        completion = await self.loop.generate(self.prompt_ids + self.response_ids, params)
+        completion = await self.loop.generate(self.pictures.context(self.prompt_ids + self.response_ids), params)
         self._append(completion.token_ids, mask=1, logprobs=completion.logprobs)
+        if self.pictures.holds_image_token(completion.token_ids):
+            self.error = "the model sampled its image token, which only a picture may hold"
+            return self._stop("sampled_image_token")
         self.assistant_turns += 1
         self.turn_ended = completion.finish_reason == "stop"
         text = self.loop.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -230,15 +247,25 @@ class _Run:
             return self._stop("max_assistant_turns")
         if self.user_turns >= self.cfg.max_user_turns:
             return self._stop("max_user_turns")
-        env_ids = self.loop.templater.turn_ids(text, "user", model_turn_ended=self.turn_ended)
-        if len(self.response_ids) + len(env_ids) >= self.cfg.max_response_length:
+        env_turn = self._with_pictures([{"role": "user", "content": text}],
+                                       self.loop.templater.turn_ids(text, "user", model_turn_ended=self.turn_ended))
+        if len(self.response_ids) + len(env_turn.ids) >= self.cfg.max_response_length:
             return self._stop("max_response_length")  # no room for the env turn and a reply
-        self._append(env_ids, mask=0)
+        self._append(self.pictures.keep(env_turn), mask=0)
         self.user_turns += 1
         self.messages.append({"role": "user", "content": text})
         self.state = AgentState.GENERATING
 
     # -- helpers -------------------------------------------------------------------
+    def _with_pictures(self, messages: list[dict], ids: list[int]) -> Widened:
+        """``ids`` with the pictures of ``messages`` widened (kept once appended); a picture that
+        cannot be read is the environment's error (it sent it, or opened the chat with it)."""
+        try:
+            return self.pictures.widen(messages, ids)
+        except ValueError as error:
+            endpoint = self.interaction.endpoint_for(self.instance_id or "") if self.interaction is not None else ""
+            raise EnvironmentServerError(endpoint, f"a picture of the conversation: {error}") from None
+
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
         self.state = AgentState.DONE
@@ -252,7 +279,7 @@ class _Run:
     def excluded(self) -> bool:
         if self.stop_reason == "env_error":
             return self.cfg.env_error_reward is None
-        return self.stop_reason == "prompt_too_long"
+        return self.stop_reason in ("prompt_too_long", "sampled_image_token")
 
     def _append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
         self.response_ids.extend(ids)
@@ -322,4 +349,5 @@ class _Run:
                   "error_url": self.error_url, "env_unreachable": self.env_unreachable,
                   "env_timeout": self.env_timeout},
             excluded=self.excluded,
+            images=self.pictures.images(self.prompt_ids + self.response_ids),
         )

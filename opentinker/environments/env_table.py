@@ -18,6 +18,8 @@ from fastapi.encoders import jsonable_encoder
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from opentinker.images import image_part
+
 logger = logging.getLogger("opentinker.environments.server")
 
 DEFAULT_JOB = "default"  # the statistics key of requests that carry no job_id
@@ -133,6 +135,22 @@ def _json_info(info: Any, what: str) -> dict:
     return jsonable_encoder(info)
 
 
+def _observation_fields(observation: Any, what: str) -> dict:
+    """An observation as the protocol's fields: a string is ``{"observation"}``; a dict
+    ``{"text", "images"}`` (pictures as PNG/JPEG/WebP bytes, a file path, a Pillow image or a
+    data URL) adds ``"images"``, each a data URL."""
+    if isinstance(observation, str):
+        return {"observation": observation}
+    if isinstance(observation, dict) and isinstance(observation.get("text"), str):
+        pictures = observation.get("images") or []
+        if not isinstance(pictures, (list, tuple)):
+            raise TypeError(f"{what} observation 'images' must be a list, got {type(pictures).__name__}")
+        urls = [p if isinstance(p, str) and p.startswith("data:") else image_part(p)["image"] for p in pictures]
+        return {"observation": observation["text"], **({"images": urls} if urls else {})}
+    raise TypeError(f"{what} observation must be a str or a dict {{'text': str, 'images': [...]}}, "
+                    f"got {type(observation).__name__}")
+
+
 def _normalize_reset(result: Any) -> dict:
     """A reset return value as the protocol's ``{"observation", "system_prompt", "info"}``."""
     system_prompt = None
@@ -152,11 +170,10 @@ def _normalize_reset(result: Any) -> dict:
             "reset() must return a str, a dict with 'observation' or an (observation, info) "
             f"pair, got {type(result).__name__}"
         )
-    if not isinstance(observation, str):
-        raise TypeError(f"reset() observation must be a str, got {type(observation).__name__}")
+    fields = _observation_fields(observation, "reset()")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise TypeError(f"reset() system_prompt must be a str or None, got {type(system_prompt).__name__}")
-    return {"observation": observation, "system_prompt": system_prompt, "info": _json_info(info, "reset()")}
+    return {**fields, "system_prompt": system_prompt, "info": _json_info(info, "reset()")}
 
 
 def _normalize_step(result: Any) -> dict:
@@ -173,15 +190,14 @@ def _normalize_step(result: Any) -> dict:
             "step() must return (observation, reward, done, info) or "
             f"(observation, reward, terminated, truncated, info), got {result!r:.200}"
         )
-    if not isinstance(observation, str):
-        raise TypeError(f"step() observation must be a str, got {type(observation).__name__}")
+    fields = _observation_fields(observation, "step()")
     reward = float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"step() reward must be finite, got {reward}")
     info = _json_info(info, "step()")
     if cut_short:
         info["truncated"] = True
-    return {"observation": observation, "reward": reward, "done": bool(done), "info": info}
+    return {**fields, "reward": reward, "done": bool(done), "info": info}
 
 
 def _close_env(env: Any, instance_id: str) -> None:

@@ -4,9 +4,9 @@ The server speaks a small gym-like HTTP protocol (field names are fixed; existin
 servers speak them, and ignore the fields they do not know)::
 
     POST {url}/reset     {"instance_id", "job_id"?, "seed"?, **env_kwargs, **kwargs}
-                         -> {"observation": str, "system_prompt"?: str, "info"?: dict}
+                         -> {"observation": str, "images"?: [str], "system_prompt"?: str, "info"?: dict}
     POST {url}/step      {"instance_id", "action": str, "step": int, "job_id"?}
-                         -> {"observation": str, "reward": float, "done": bool, "info"?: dict}
+                         -> {"observation": str, "images"?: [str], "reward": float, "done": bool, "info"?: dict}
     POST {url}/finalize  {"instance_id", "job_id"?}
     GET  {url}/health
 
@@ -14,6 +14,9 @@ servers speak them, and ignore the fields they do not know)::
 or one of several shards; an instance always goes to the same shard (a stable hash of its
 id). ``step`` is the number of steps already applied to the instance (0 for the first).
 Every failure surfaces as :class:`~opentinker.environments.interaction.EnvironmentServerError`.
+``images`` (for a vision-language model) are pictures as ``data:image/...;base64,`` URLs: the
+next user turn shows them, then the observation's text (the agent loop reads each under the
+server's picture bounds).
 
 The config comes from a job's client, so it is bounded and checked; what the operator
 decides (the job id, which endpoints may be reached, how many shards) comes from the
@@ -51,6 +54,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from opentinker.images import turn_with_pictures
 from opentinker.environments.env_replies import UNAVAILABLE_STATUSES, answer_json, bounded, join_url, reply_problem
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
@@ -243,7 +247,8 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
         info = data.get("info") or {}
         if not isinstance(info, dict):
             raise EnvironmentServerError(url, f"'info' must be an object, got {type(info).__name__}")
-        return InitialObservation(observation=observation, system_prompt=system_prompt, info=info)
+        return InitialObservation(observation=with_pictures(url, data, observation), system_prompt=system_prompt,
+                                  info=info)
 
     async def initial_observation(self, instance_id: str) -> InitialObservation | None:
         """The observation (and system prompt) the server gave at /reset."""
@@ -284,7 +289,7 @@ class GymEnvironmentInteraction(RoutedEnvServers, Interaction):
             info[MAX_STEPS_REACHED] = True
         state.done = done
         text = self.observation_template.format(observation=observation, reward=reward, step=state.steps)
-        return done, text, reward, info
+        return done, with_pictures(url, data, text), reward, info
 
     @staticmethod
     def _parse_step(url: str, data: Any) -> tuple[str, float, bool, dict[str, Any]]:
@@ -386,6 +391,17 @@ def _observation_of(url: str, data: Any) -> str:
             url, f"'observation' must be a string, got {_describe(observation, 'observation' in data)}"
         )
     return observation
+
+
+def with_pictures(url: str, data: dict, text: str) -> str | list[dict]:
+    """The turn ``text`` with the answer's ``images`` before it (a content list of parts), or
+    ``text`` as it is when the answer has none."""
+    pictures = data.get("images")
+    if pictures is None:
+        return text
+    if not isinstance(pictures, list) or not all(isinstance(p, str) and p.startswith("data:image/") for p in pictures):
+        raise EnvironmentServerError(url, "'images' must be a list of data:image/...;base64, URLs")
+    return turn_with_pictures(text, pictures)
 
 
 def _describe(value: Any, present: bool) -> str:

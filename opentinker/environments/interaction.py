@@ -86,9 +86,11 @@ class InteractionContext:
 
 @dataclass(frozen=True)
 class InitialObservation:
-    """What an environment shows at reset: the first user message and, optionally, a system prompt."""
+    """What an environment shows at reset: the first user message and, optionally, a system prompt.
+    A turn is text, or (for a vision-language model) a content list of text and picture parts
+    (``opentinker/images.py``)."""
 
-    observation: str
+    observation: str | list[dict[str, Any]]
     system_prompt: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -190,7 +192,8 @@ class Interaction(ABC):
         """React to the model's last turn (the last message of ``messages``).
 
         Returns ``(done, response_text, reward, info)``; ``response_text`` becomes the
-        next user turn when ``done`` is False. Subclasses that use the default
+        next user turn when ``done`` is False (text, or a content list of text and picture parts
+        for a vision-language model). Subclasses that use the default
         :meth:`calculate_score` record each reward with :meth:`_record_reward`.
 
         With ``done``, ``info[TRUNCATED] is True`` says the episode was cut short rather than

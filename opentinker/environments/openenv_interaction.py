@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opentinker.images import turn_with_pictures
 from opentinker.environments.env_replies import (
     MAX_ERROR_CHARS, UNAVAILABLE_STATUSES, answer_json, bounded, join_url, reply_problem,
 )
@@ -63,7 +64,9 @@ from opentinker.environments.interaction import (
 from opentinker.environments.openenv_schema import (
     action_field_for,
     field_text,
+    image_field_for,
     observation_field_for,
+    observation_pictures,
     observation_text,
 )
 from opentinker.environments.openenv_sessions import (
@@ -93,6 +96,7 @@ class _Plan:
 
     action_field: str
     observation_field: str | None
+    image_field: str | None = None  # pictures for a vision-language model
 
 
 @dataclass
@@ -163,6 +167,10 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         observation_field: the observation field whose text is the next user turn; left out, the
             only string field, else a usual name ("text", "message", "prompt", "observation",
             "content", "feedback", ...), else the observation as JSON.
+        image_field: the observation field whose pictures (data URLs or base64 PNG/JPEG, one or
+            a list) open each next user turn, before its text (a vision-language model's); left
+            out, the first of "image", "images", "screenshot", "screenshots", "frame", "pixels",
+            "picture" the observation has as a string or a list.
         observation_template: how a step's observation becomes the next user turn; may use
             ``{observation}`` (the chosen field's text), ``{reward}``, ``{step}`` and the
             observation's own fields by name (``{board}``, as text). The reset's observation
@@ -179,7 +187,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
     """
 
     config_keys = frozenset({"env_endpoint", "env_shards", "relay", "max_steps", "action_field", "action_extra",
-                             "observation_field", "observation_template", "reset_kwargs", "timeout_s", "retries",
+                             "observation_field", "image_field", "observation_template", "reset_kwargs", "timeout_s", "retries",
                              "backoff_s", "max_connections", "capacity_wait_s"})
 
     def __init__(self, config: dict[str, Any], context: InteractionContext | None = None):
@@ -194,6 +202,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         self.capacity_wait_s: float = bounded(cfg, "capacity_wait_s", 300.0, 0, 3600, integer=False)
         self.action_field = _field_name(cfg.get("action_field"), "action_field")
         self.observation_field = _field_name(cfg.get("observation_field"), "observation_field")
+        self.image_field = _field_name(cfg.get("image_field"), "image_field")
         self.action_extra = _fields(cfg.get("action_extra"), "action_extra")
         self.reset_kwargs = _fields(cfg.get("reset_kwargs"), "reset_kwargs")
         template = cfg.get("observation_template")
@@ -270,7 +279,7 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
         """ValueError when the config does not fit the schema."""
         action_field = action_field_for(schema, self.action_field, self.action_extra)
         observation_field = observation_field_for(schema, self.observation_field, self._template_names)
-        return _Plan(action_field, observation_field)
+        return _Plan(action_field, observation_field, image_field_for(schema, self.image_field))
 
     async def _plan(self, base: str) -> _Plan:
         """The server's plan, from one /schema read however many episodes start at once: they
@@ -340,7 +349,8 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
             data["episode_id"] = instance_id
             reply = await self.sessions.open(episode, {"type": "reset", "data": data})
             observation = observation_data(url, reply, "reset")["observation"]
-            episode.observation = InitialObservation(observation_text(observation, episode.plan.observation_field))
+            episode.observation = InitialObservation(self._turn(url, observation, episode.plan, observation_text(
+                observation, episode.plan.observation_field, episode.plan.image_field)))
         except BaseException:
             if self._episodes.get(instance_id) is episode:
                 del self._episodes[instance_id]
@@ -395,11 +405,19 @@ class OpenEnvInteraction(RoutedEnvServers, Interaction):
             info[MAX_STEPS_REACHED] = True
         episode.done = done
         observation = data["observation"]
-        text = observation_text(observation, episode.plan.observation_field)
+        text = observation_text(observation, episode.plan.observation_field, episode.plan.image_field)
         if self.observation_template is not None:
             named = {name: field_text(observation.get(name)) for name in self._template_names}
             text = self.observation_template.format(**named, observation=text, reward=reward, step=step)
-        return done, text, reward, info
+        return done, self._turn(url, observation, episode.plan, text), reward, info
+
+    @staticmethod
+    def _turn(url: str, observation: Any, plan: _Plan, text: str) -> str | list[dict[str, Any]]:
+        """The user turn: ``text``, after the observation's pictures when it has some."""
+        try:
+            return turn_with_pictures(text, observation_pictures(observation, plan.image_field))
+        except ValueError as error:
+            raise EnvironmentServerError(url, str(error)) from None
 
     async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
         """Forget the instance; send ``close`` and close its session (never raises)."""

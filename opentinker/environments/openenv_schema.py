@@ -25,6 +25,9 @@ __all__ = [
     "observation_field_for",
     "observation_fields",
     "observation_text",
+    "IMAGE_FIELD_NAMES",
+    "image_field_for",
+    "observation_pictures",
 ]
 
 #: Names an action's text field usually has, most likely first (used when action_field is not set
@@ -34,6 +37,8 @@ ACTION_FIELD_NAMES = ("text", "message", "content", "response", "answer", "actio
 #: The same for the observation field that becomes the next user turn.
 OBSERVATION_FIELD_NAMES = ("text", "message", "prompt", "observation", "content", "feedback", "output",
                            "result", "response", "question", "board", "state")
+#: Observation fields that usually hold pictures (a data URL, base64 PNG/JPEG, or a list of them).
+IMAGE_FIELD_NAMES = ("image", "images", "screenshot", "screenshots", "frame", "pixels", "picture")
 _NEVER_TEXT = ("metadata",)  # the base classes' metadata dict: never the turn's text
 _MAX_FIELDS_NAMED = 20
 _MAX_NAME_CHARS = 64
@@ -192,6 +197,41 @@ def observation_field_for(schema: Any, observation_field: str | None = None,
     return preferred[0] if preferred else None
 
 
+def image_field_for(schema: Any, image_field: str | None = None) -> str | None:
+    """The observation field whose pictures open the next user turn (a vision-language model's),
+    or None. ``image_field`` must be one of the observation's fields (when the schema lists them);
+    left out, the first of :data:`IMAGE_FIELD_NAMES` the observation has as a string or an array."""
+    props = observation_fields(schema)
+    if props is None:
+        return image_field
+    model = _model(schema, "observation")
+    defs = model.get("$defs") if isinstance(model.get("$defs"), Mapping) else {}
+    if image_field is not None:
+        if image_field not in props:
+            raise ValueError(f"image_field {_name(image_field)} is not a field of the env's observation (its fields: "
+                             f"{describe_fields(model, exclude=('reward', 'done'))})")
+        return image_field
+    for name in IMAGE_FIELD_NAMES:
+        if name in props and _types(props[name], defs) & {"string", "array"}:
+            return name
+    return None
+
+
+def observation_pictures(observation: Mapping[str, Any], field: str | None) -> list[str]:
+    """The pictures of ``field`` as data URLs: a data URL, a bare base64 picture (its format is
+    read from its own bytes later), or a list of them; none for an empty or missing field.
+    ValueError for anything else."""
+    if field is None:
+        return []
+    value = observation.get(field)
+    if value is None or value == "" or value == []:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) and v for v in values):
+        raise ValueError(f"observation field {_name(field)} must hold pictures as data URLs or base64 strings")
+    return [v if v.startswith("data:") else "data:image/png;base64," + v for v in values]
+
+
 def field_text(value: Any) -> str:
     """A field's value as turn text: a string as it is, None as "", anything else as JSON."""
     if isinstance(value, str):
@@ -201,11 +241,11 @@ def field_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def observation_text(observation: Mapping[str, Any], field: str | None) -> str:
+def observation_text(observation: Mapping[str, Any], field: str | None, pictures: str | None = None) -> str:
     """The text of ``observation`` (an observation's fields, as sent) for the next user turn:
-    ``field``'s value, or the whole observation as JSON (an empty ``metadata`` left out) when
-    ``field`` is None or the observation lacks it."""
+    ``field``'s value, or the whole observation as JSON (an empty ``metadata`` and the
+    ``pictures`` field left out) when ``field`` is None or the observation lacks it."""
     if field is not None and field in observation:
         return field_text(observation[field])
-    shown = {k: v for k, v in observation.items() if not (k in _NEVER_TEXT and not v)}
+    shown = {k: v for k, v in observation.items() if not (k in _NEVER_TEXT and not v) and k != pictures}
     return json.dumps(shown, ensure_ascii=False, default=str)

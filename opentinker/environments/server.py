@@ -12,9 +12,9 @@ A user writes an ordinary class and hands it to :func:`serve_environment`::
 Protocol (the field names are fixed; the trainer's agent loop speaks them):
 
 ``POST /reset``    ``{"instance_id", "job_id"?, "seed"?, ...extra}``
-                   -> ``{"observation": str, "system_prompt": str | null, "info": {}}``
+                   -> ``{"observation": str, "images"?: [data URL], "system_prompt": str | null, "info": {}}``
 ``POST /step``     ``{"instance_id", "action", "step"?, "job_id"?}``
-                   -> ``{"observation": str, "reward": float, "done": bool, "info": {}}``
+                   -> ``{"observation": str, "images"?: [data URL], "reward": float, "done": bool, "info": {}}``
 ``POST /finalize`` ``{"instance_id", "job_id"?}`` -> ``{"ok": true}``
 ``GET  /health``   -> ``{"status": "ok", "instances": int, "env": str, "jobs": {job_id: {...}}}``
 
@@ -36,7 +36,10 @@ Decisions worth knowing:
   ``job_id`` is kept for bookkeeping, never passed on. Resetting a live id replaces (and
   closes) the old object; if the new ``reset`` fails the old instance is left as it was.
 * ``reset`` may return a string, a dict ``{"observation", "system_prompt"?, "info"?}`` or a
-  gymnasium-style ``(observation, info)`` pair. ``step`` may return the 4-tuple
+  gymnasium-style ``(observation, info)`` pair. An observation (at reset or step) is a string,
+  or ``{"text": str, "images": [...]}`` for a vision-language model: each picture (PNG, JPEG or
+  WebP bytes, a path, a Pillow image, or a data URL) goes out as a data URL in the answer's
+  ``"images"`` list, and the trainer shows them before the text in the next user turn. ``step`` may return the 4-tuple
   ``(observation, reward, done, info)`` or gymnasium's 5-tuple
   ``(observation, reward, terminated, truncated, info)``; an episode that is truncated but
   not terminated answers ``done: true`` with ``info["truncated"] = true``.

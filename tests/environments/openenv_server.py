@@ -168,10 +168,10 @@ def free_port() -> int:
 class OpenEnvServer:
     """One env server process; ``url``, ``stats()``, ``kill()``."""
 
-    def __init__(self, folder: Path, max_concurrent_envs: int = 64):
+    def __init__(self, folder: Path, max_concurrent_envs: int = 64, source: str = ENV_SOURCE):
         self.python = openenv_python()
         self.module = folder / "arith_openenv.py"
-        self.module.write_text(ENV_SOURCE)
+        self.module.write_text(source)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / f"server-{self.port}.log"
@@ -217,8 +217,11 @@ class OpenEnvServer:
 
 
 @contextlib.contextmanager
-def running_openenv_server(folder: Path, max_concurrent_envs: int = 64) -> Iterator[OpenEnvServer]:
-    server = OpenEnvServer(folder, max_concurrent_envs)
+def running_openenv_server(folder: Path, max_concurrent_envs: int = 64, source: str = ENV_SOURCE
+                           ) -> Iterator[OpenEnvServer]:
+    """``source``: the env module's text (default: :data:`ENV_SOURCE`'s arithmetic env); it is run
+    as ``python module.py PORT MAX_CONCURRENT_ENVS``."""
+    server = OpenEnvServer(folder, max_concurrent_envs, source)
     try:
         yield server.start()
     finally:

@@ -75,3 +75,30 @@ def test_a_job_with_pictures_trains_and_bad_pictures_are_refused_at_the_door(ser
             client.submit(GenericEnvironment({**CONFIG, "actor_rollout_ref.model.path": "opentinker-tiny-arith"},
                                              dataset=[good]), steps=1)
         assert len(client.list_jobs()) == 1  # nothing refused became a job
+
+
+def test_an_env_with_pictures_trains_direct_and_through_the_client_relay(server, tmp_path, helpers, monkeypatch):
+    """The digit-sum env (a picture in each turn) on 127.0.0.1: one job reaches it itself, one
+    through the thin client's relay (the pictures ride in the relayed answers)."""
+    from opentinker.environments.games import DigitSumEnv
+    from opentinker.environments.registry import InteractionSpec
+    from opentinker.environments.server import running_env_server
+
+    monkeypatch.setenv("OPENTINKER_STATE_DIR", str(tmp_path))
+    key = helpers.make_user(tmp_path, "vic")
+    config = {"actor_rollout_ref.model.path": "tiny-vlm", "data.max_prompt_length": 128,
+              "data.max_response_length": 48, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
+              "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 6, "data.train_batch_size": 2,
+              "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "actor_rollout_ref.rollout.n": 2,
+              "trainer.test_freq": -1}
+    rows = [{"extra_info": {"interaction_kwargs": {"name": "digits"}}} for _ in range(8)]
+    with running_env_server(DigitSumEnv) as urls, OpenTinkerClient(server.url, key) as client:
+        for relay in (False, True):
+            spec = InteractionSpec(name="digits", class_path="gym", config={
+                "env_endpoint": urls[0], **({"relay": "client"} if relay else {})})
+            handle = client.submit(GenericEnvironment(config, [spec], dataset=rows), steps=2)
+            assert (handle.relay is not None) == relay
+            info = handle.wait(progress=False)
+            assert info.status.value == "completed", info
+            metrics = [m["metrics"] for m in handle.metrics() if "reward/mean" in m["metrics"]]
+            assert len(metrics) == 2 and all(m["env/digits/env_errors"] == 0 for m in metrics), metrics

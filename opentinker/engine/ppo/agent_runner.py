@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.agent_loop import AgentLoop, AgentLoopConfig, Trajectory
 from opentinker.engine.chat import ChatTemplater
+from opentinker.engine.vision import VisionPromptEncoder
 from opentinker.engine.ppo.env_instances import EnvInstanceJournal
 from opentinker.engine.rollout import AsyncCompletions, Completion, RequestBatcher, SamplingParams
 from opentinker.environments.env_routing import check_endpoint
@@ -62,8 +63,10 @@ class AgentLoopRunner:
         config: AgentLoopConfig,
         interactions: Mapping[str, Interaction],
         journal: EnvInstanceJournal | None = None,
+        pictures: VisionPromptEncoder | None = None,
     ):
         self.requests = requests  # a RequestBatcher (owned: closed here) or an engine with agenerate
+        self.pictures = pictures  # a vision-language model's encoder (pictures in prompts and env turns)
         self.tokenizer = tokenizer
         self.templater = templater
         self.config = config
@@ -82,7 +85,7 @@ class AgentLoopRunner:
 
     async def _run_all(self, prompts: Sequence["Prompt"], params: SamplingParams):
         await self.finalize_leftovers()
-        loop = AgentLoop(self.requests.agenerate, self.tokenizer, self.templater, self.config, params)
+        loop = AgentLoop(self.requests.agenerate, self.tokenizer, self.templater, self.config, params, self.pictures)
         episodes = [self._episode(prompt) for prompt in prompts]
         starting: dict[str, list[str]] = defaultdict(list)
         for name, _, _, iid in episodes:

@@ -62,6 +62,7 @@ class RolloutSampler:
                 dict(interactions),
                 # Env instances a killed process of this run left open are finalized at the start.
                 EnvInstanceJournal.in_folder(cfg.trainer.default_local_dir),
+                pictures,
             )
 
     def sampling_params(self, validation: bool = False) -> SamplingParams:
@@ -84,9 +85,6 @@ class RolloutSampler:
         per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
         params = self.sampling_params(validation)
         if self.agent_loops is not None:
-            if any(p.pictures for p in prompts):
-                raise ValueError("prompts with pictures train single-turn so far: a job with interactions "
-                                 "takes text prompts")
             trajectories, names = self.agent_loops.run(per_sample, params)  # (step_warnings names env errors)
             texts = ["".join(m["content"] for m in t.messages if m["role"] == "assistant") for t in trajectories]
             return StepSamples(per_sample, trajectories, texts, names)
@@ -95,6 +93,11 @@ class RolloutSampler:
         rewards = self.reward_scorer.score([(text, p.row) for p, text in zip(per_sample, texts)])
         trajectories = [single_turn_trajectory(p.prompt_ids, c, 0.0 if reward is TIMED_OUT else reward)
                         for p, c, reward in zip(per_sample, completions, rewards)]
+        for index, completion in enumerate(completions):
+            if self.pictures is not None and self.pictures.layout.image_token_id in completion.token_ids:
+                trajectories[index] = dataclasses.replace(  # its pictures and image tokens would not match
+                    trajectories[index], excluded=True, stop_reason="sampled_image_token",
+                    info={"error": "the model sampled its image token, which only a picture may hold"})
         timed_out = [i for i, reward in enumerate(rewards) if reward is TIMED_OUT]
         for index in timed_out:  # left out of the step like a sample whose env failed
             trajectories[index] = dataclasses.replace(

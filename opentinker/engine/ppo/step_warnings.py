@@ -22,6 +22,7 @@ from collections.abc import Callable
 from opentinker.engine.ppo.agent_runner import env_endpoint_of
 from opentinker.engine.ppo.step import StepSamples
 from opentinker.engine.vision import prompt_key
+from opentinker.images import message_images
 
 __all__ = ["StepWarnings"]
 
@@ -94,7 +95,8 @@ class StepWarnings:
     def _identical_prompts(self, step: int, rollout: StepSamples) -> None:
         by_uid = {prompt.uid: i for i, prompt in enumerate(rollout.prompts)}
         # A prompt with pictures is told apart by them too (the same question on other pictures).
-        texts = {(tuple(rollout.trajectories[i].prompt_ids), prompt_key(rollout.prompts[i].prompt_ids)[1])
+        texts = {(tuple(rollout.trajectories[i].prompt_ids), prompt_key(rollout.prompts[i].prompt_ids)[1],
+                  _prompt_pictures(rollout.trajectories[i].messages))
                  for i in by_uid.values() if rollout.trajectories[i].prompt_ids}
         said = self._identical.update(len(by_uid) > 1 and len(texts) == 1, step)
         if said == "began":
@@ -105,3 +107,13 @@ class StepWarnings:
                       f"{self._identical.since}")
         elif said == "ended":
             self.warn(f"step {step}: prompts differ again")
+
+
+def _prompt_pictures(messages: list[dict]) -> tuple[str, ...]:
+    """The pictures of a conversation's opening turns (before the model's first), as their URLs."""
+    opening = []
+    for message in messages:
+        if message.get("role") == "assistant":
+            break
+        opening.append(message)
+    return tuple(message_images(opening))

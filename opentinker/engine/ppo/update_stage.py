@@ -27,7 +27,8 @@ def to_batch(rollout: StepSamples) -> TokenBatch:
     batch = TokenBatch.from_responses(
         [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
         [t.response_mask for t in trajectories],
-        [images_of(p.prompt_ids) for p in rollout.prompts],
+        [t.images if t.images is not None else images_of(p.prompt_ids)
+         for t, p in zip(trajectories, rollout.prompts)],
     )
     batch.tensors["rollout_logprobs"] = batch.pad_response_values([t.rollout_logprobs for t in trajectories])
     return batch

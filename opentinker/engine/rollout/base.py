@@ -139,7 +139,8 @@ class RequestBatcher:
         self.batch_sizes: list[int] = []  # observed batch sizes, for metrics and tests
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> concurrent.futures.Future:
-        request = _Request(list(prompt), params)
+        # A prompt with pictures (an ImagePrompt, a list) goes as it is: a copy would drop them.
+        request = _Request(prompt if isinstance(prompt, list) and hasattr(prompt, "images") else list(prompt), params)
         self._queue.put(request)
         return request.future
 

@@ -238,6 +238,9 @@ class VLLMRolloutEngine:
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> concurrent.futures.Future:
         """Start one request; it joins the running batch at the next decode step."""
+        if getattr(prompt, "images", None) is not None:
+            raise ValueError("the vLLM rollout takes text prompts so far; a prompt with pictures needs "
+                             "actor_rollout_ref.rollout.name=hf (the transformers engine)")
         return asyncio.run_coroutine_threadsafe(self._generate_one(prompt, params), self._loop)
 
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> Completion:

@@ -6,6 +6,7 @@ Importing this package needs neither torch nor fastapi.
 
 from opentinker.environments.games.arithmetic_env import ArithmeticEnv
 from opentinker.environments.games.calculator_env import CalculatorEnv
+from opentinker.environments.games.digit_sum_env import DigitSumEnv
 from opentinker.environments.games.guess_number import GuessNumberEnv
 from opentinker.environments.games.word_problems_env import WordProblemsEnv
 
@@ -14,6 +15,8 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "arithmetic": ArithmeticEnv,
     "calculator": CalculatorEnv,
     "word_problems": WordProblemsEnv,
+    "digit_sum": DigitSumEnv,  # pictures: for a vision-language model
 }
 
-__all__ = ["ArithmeticEnv", "BUILTIN_ENVIRONMENTS", "CalculatorEnv", "GuessNumberEnv", "WordProblemsEnv"]
+__all__ = ["ArithmeticEnv", "BUILTIN_ENVIRONMENTS", "CalculatorEnv", "DigitSumEnv", "GuessNumberEnv",
+           "WordProblemsEnv"]
