@@ -100,6 +100,13 @@ class TokenBatch:
     def row_images(self) -> list[PromptImages | None]:
         return self.images if self.images is not None else [None] * len(self)
 
+    def row_cost(self, row: int) -> int:
+        """What row ``row`` costs a pass, in positions: its tokens, plus its pictures' patches
+        (each goes through the vision tower as a position of its own, before the merge)."""
+        images = self.row_images()[row]
+        patches = 0 if images is None else int(images.pixel_values.shape[0])
+        return len(self.prompt_ids[row]) + len(self.response_ids[row]) + patches
+
     def pictures_past_prompts(self) -> bool:
         """Whether some row has pictures after its prompt (a Tinker datum's prompt is its first
         token): the shared-prompt layout, whose response pass takes no pixels, cannot run it."""

@@ -91,12 +91,21 @@ class IncrementalText:
         return self._text()[0]
 
 
-def prompt_ids(tokenizer: Any, request: ServeRequest) -> list[int]:
-    """The chat-template rendering of ``messages`` with the assistant prompt, or ``prompt``'s ids."""
+def prompt_ids(tokenizer: Any, request: ServeRequest, pictures: Any = None) -> list[int]:
+    """The chat-template rendering of ``messages`` with the assistant prompt (with their
+    pictures, through ``pictures``, a vision-language model's encoder: an ImagePrompt), or
+    ``prompt``'s ids."""
     if request.messages is not None:
         from opentinker.engine.data import chat_prompt_ids
+        from opentinker.images import message_images
 
-        return chat_prompt_ids(tokenizer, list(request.messages))
+        messages = list(request.messages)
+        ids = chat_prompt_ids(tokenizer, messages)
+        if any(True for _ in message_images(messages)):
+            if pictures is None:
+                raise ValueError("the messages have pictures but the model is not a vision-language model")
+            return pictures.encode(messages, ids)
+        return ids
     return list(tokenizer(request.prompt or "", add_special_tokens=False)["input_ids"])
 
 
@@ -113,12 +122,14 @@ def _streams_tokens(engine: Any) -> bool:
     return "on_tokens" in inspect.signature(engine.generate).parameters
 
 
-def stream_completions(engine: Any, tokenizer: Any, request: ServeRequest) -> Iterator[dict[str, Any]]:
+def stream_completions(engine: Any, tokenizer: Any, request: ServeRequest,
+                       pictures: Any = None) -> Iterator[dict[str, Any]]:
     """Events of one request, in order: ``{"index", "text"}`` (a delta of choice ``index``) as
     tokens are decoded, ``{"index", "finish_reason"}`` once per choice, then ``{"usage": {...}}``.
+    ``pictures``: a vision-language model's prompt encoder (messages may then hold pictures).
 
     Raises ValueError before anything is generated when the prompt does not fit the model."""
-    ids = prompt_ids(tokenizer, request)
+    ids = prompt_ids(tokenizer, request, pictures)
     if not ids:
         raise ValueError("the prompt is empty: send at least one token of text")
     limit = context_length(engine)
@@ -170,11 +181,15 @@ class CheckpointServer:
         self.device = device
         self.max_models = max_models
         self.trust_remote_code = trust_remote_code
-        self._loaded: collections.OrderedDict[str, Any] = collections.OrderedDict()  # folder -> engine
+        self._loaded: collections.OrderedDict[str, Any] = collections.OrderedDict()  # folder -> (engine, pictures)
         self._lock = threading.Lock()  # one load at a time; the table is shared by the threads
 
-    def _engine(self, folder: str) -> Any:
+    def _engine(self, folder: str) -> tuple[Any, Any]:
+        """The folder's engine and, for a vision-language model, its prompt encoder (the
+        pictures were read under the server's bounds already)."""
         from opentinker.engine.rollout.transformers_engine import TransformersRolloutEngine
+        from opentinker.engine.vision import VisionPromptEncoder
+        from opentinker.images import ImageLimits
 
         with self._lock:
             if folder in self._loaded:
@@ -182,14 +197,16 @@ class CheckpointServer:
                 return self._loaded[folder]
             engine = TransformersRolloutEngine.from_pretrained(folder, device=self.device,
                                                                trust_remote_code=self.trust_remote_code)
-            self._loaded[folder] = engine
+            pictures = VisionPromptEncoder.for_model(folder, engine.tokenizer, ImageLimits.checked_upstream(),
+                                                     self.trust_remote_code)
+            self._loaded[folder] = (engine, pictures)
             while len(self._loaded) > self.max_models:  # requests under way keep their own reference
                 self._loaded.popitem(last=False)
-            return engine
+            return engine, pictures
 
     def stream(self, folder: str, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """:func:`stream_completions` from the checkpoint in ``folder`` (a Ray streaming generator)."""
         if not Path(folder, "config.json").is_file():
             raise FileNotFoundError(f"no model in the checkpoint folder {Path(folder).name!r}")
-        engine = self._engine(folder)
-        yield from stream_completions(engine, engine.tokenizer, ServeRequest.from_dict(request))
+        engine, pictures = self._engine(folder)
+        yield from stream_completions(engine, engine.tokenizer, ServeRequest.from_dict(request), pictures)

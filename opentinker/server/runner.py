@@ -108,7 +108,8 @@ class JobRunner(RelayDoor):
             # thread, a second thread importing it too can find its lazy module half made.
             from opentinker.engine.serving import ServeRequest, stream_completions
 
-            yield from stream_completions(trainer.rollout, trainer.tokenizer, ServeRequest.from_dict(request))
+            yield from stream_completions(trainer.rollout, trainer.tokenizer, ServeRequest.from_dict(request),
+                                          trainer.pictures)
 
     # -- the job -------------------------------------------------------------------
     def _served_name(self) -> str:

@@ -172,3 +172,32 @@ def test_the_vision_tower_trains_only_when_asked_and_lora_adapts_the_language_mo
     assert set(whole) - set(frozen) and all(".visual." in name for name in set(whole) - set(frozen))
     adapters = trainable(lora=LoraSettings(4), train_vision=True)
     assert adapters and all("lora_" in name and "language_model" in name for name in adapters)
+
+
+def test_two_fsdp_ranks_train_the_vlm_as_one_process(ray_session, vlm):
+    """Pictures through FSDP2 (2 gloo ranks): the vision tower's blocks and the language model's
+    layers sharded; the same logprobs and the same weights after an update as one process, the
+    vision tower unchanged (frozen)."""
+    from opentinker.engine.backend import AdamParams, BackendSpec, make_backend
+    from opentinker.engine.backend.fsdp import FSDPBackend
+
+    path, tokenizer, model, encoder = vlm
+    prompts = _prompts(tokenizer, encoder, digit_sum.make_problems(3, digit_sum.TRAIN_SEED))
+    rows = [p for p in prompts for _ in range(2)]
+    responses = [[20 + i, 21, 22][: 1 + i % 3] for i in range(len(rows))]
+    batch = TokenBatch.from_responses(rows, responses, images=[p.images for p in rows])
+    batch.tensors["advantages"] = torch.linspace(-1, 1, len(batch)).unsqueeze(-1) * batch.response_mask
+    sharded = FSDPBackend(BackendSpec(path, tokenizer.pad_token_id, strategy="fsdp", ranks=2, device="cpu"))
+    try:
+        local = make_backend(BackendSpec(path, tokenizer.pad_token_id, device="cpu"))
+        assert torch.allclose(sharded.forward(batch).logprobs, local.forward(batch).logprobs, atol=1e-5)
+        for backend in (sharded, local):
+            backend.forward_backward(batch, "rl_policy", {"policy_loss": "vanilla"})
+            backend.optim_step(AdamParams(lr=1e-3, eps=1e-3))
+        after = [{n: t for bucket in b.weights() for n, t in bucket} for b in (sharded, local)]
+        for name, tensor in after[1].items():
+            assert torch.allclose(after[0][name], tensor, atol=1e-5), name
+            if ".visual." in f".{name}":
+                assert torch.equal(tensor, model.state_dict()[name]), name  # frozen on both
+    finally:
+        sharded.close()

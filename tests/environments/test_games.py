@@ -18,6 +18,7 @@ from opentinker.environments.games import (
     BUILTIN_ENVIRONMENTS,
     ArithmeticEnv,
     CalculatorEnv,
+    DigitSumEnv,
     GuessNumberEnv,
     WordProblemsEnv,
 )
@@ -33,6 +34,7 @@ def test_builtin_registry():
         "arithmetic": ArithmeticEnv,
         "calculator": CalculatorEnv,
         "word_problems": WordProblemsEnv,
+        "digit_sum": DigitSumEnv,
     }
 
 
@@ -280,3 +282,24 @@ def test_module_entry_serves_a_builtin_env():
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def test_the_digit_sum_env_shows_a_picture_each_round_over_the_protocol():
+    import httpx
+
+    from opentinker.environments.digit_sum import DigitSumProblem
+
+    with running_env_server(DigitSumEnv, env_kwargs={"rounds": 2}) as urls:
+        reset = httpx.post(f"{urls[0]}/reset", json={"instance_id": "a", "seed": 3}, trust_env=False).json()
+        assert reset["observation"].startswith("What is the sum") and len(reset["images"]) == 1
+        assert reset["images"][0].startswith("data:image/png;base64,")
+        env = DigitSumEnv(rounds=2)
+        env.reset(seed=3)
+        first: DigitSumProblem = env.problems[0]
+        step = httpx.post(f"{urls[0]}/step", json={"instance_id": "a", "action": first.answer, "step": 0},
+                          trust_env=False).json()
+        assert step["reward"] == 1.0 and not step["done"] and len(step["images"]) == 1
+        assert step["observation"].startswith("Right.")
+        last = httpx.post(f"{urls[0]}/step", json={"instance_id": "a", "action": "-1", "step": 1},
+                          trust_env=False).json()
+        assert last["done"] and last["reward"] == 0.0 and "images" not in last

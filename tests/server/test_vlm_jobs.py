@@ -17,7 +17,7 @@ PIL = pytest.importorskip("PIL")
 
 CONFIG = {"actor_rollout_ref.model.path": "tiny-vlm", "data.task": "digit_sum", "data.max_response_length": 8,
           "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
-          "trainer.test_freq": 3, "data.val_batch_size": 16}
+          "trainer.test_freq": 3, "data.val_batch_size": 16, "trainer.save_freq": 3}
 
 
 def _rows(count: int, seed: int = digit_sum.TRAIN_SEED, split: str = "train") -> list[dict]:
@@ -75,6 +75,36 @@ def test_a_job_with_pictures_trains_and_bad_pictures_are_refused_at_the_door(ser
             client.submit(GenericEnvironment({**CONFIG, "actor_rollout_ref.model.path": "opentinker-tiny-arith"},
                                              dataset=[good]), steps=1)
         assert len(client.list_jobs()) == 1  # nothing refused became a job
+        _serves_pictures(server, key, info.job_id)
+
+
+def _serves_pictures(server, key: str, job_id: str) -> None:
+    """The finished job's checkpoint answers OpenAI chat requests with pictures (image_url data
+    URLs); bad pictures are refused by name."""
+    import httpx
+
+    def ask(problem=None, url=None):
+        picture = url or image_part(problem.png())["image"]
+        message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                               {"type": "text", "text": digit_sum.QUESTION}]}
+        return httpx.post(f"{server.url}/v1/chat/completions", timeout=120, trust_env=False,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": job_id, "messages": [message], "max_tokens": 4, "temperature": 0})
+
+    problems = digit_sum.make_problems(8, digit_sum.HELDOUT_SEED, "heldout")
+    answers = []
+    for problem in problems:
+        response = ask(problem)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["message"]["content"])
+        assert response.json()["usage"]["prompt_tokens"] > 8  # the picture's 8 tokens, widened
+    assert len(set(answers)) > 1 and sum(digit_sum.score(a, p.answer) for a, p in zip(answers, problems)) >= 2
+    fetch = ask(url="https://example.com/digits.png")
+    assert fetch.status_code == 400 and "data:" in fetch.text
+    big = io.BytesIO()
+    PIL.Image.new("RGB", (200, 120), "white").save(big, format="PNG")
+    over = ask(url=image_part(big.getvalue())["image"])
+    assert over.status_code == 400 and "--max-image-pixels" in over.text, over.text
 
 
 def test_an_env_with_pictures_trains_direct_and_through_the_client_relay(server, tmp_path, helpers, monkeypatch):

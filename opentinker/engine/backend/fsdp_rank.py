@@ -31,6 +31,7 @@ from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.backend.value_head import attach_value_head
 from opentinker.engine.batch import TokenBatch
 from opentinker.engine.model_loading import enable_gradient_checkpointing, is_vision_language
+from opentinker.engine.vision import freeze_vision_tower, vision_tower
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -67,21 +68,21 @@ def build_sharded_model(options: BackendSpec, rank: int, mesh, device: torch.dev
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if is_vision_language(options.model_path, options.trust_remote_code):
-        raise ValueError("actor_rollout_ref.actor.strategy=fsdp: a vision-language model trains with the local "
-                         "strategy so far (its vision tower and language model are not sharded yet)")
+    auto = AutoModelForImageTextToText if is_vision_language(options.model_path, options.trust_remote_code) else (
+        AutoModelForCausalLM)
     if rank == 0:
-        model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=torch.float32,
-                                                     trust_remote_code=options.trust_remote_code)
+        model = auto.from_pretrained(options.model_path, dtype=torch.float32,
+                                     trust_remote_code=options.trust_remote_code)
         full_state = model.state_dict()
     else:  # no memory for weights this rank will only hold a shard of
         config = AutoConfig.from_pretrained(options.model_path, trust_remote_code=options.trust_remote_code)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     trust_remote_code=options.trust_remote_code)
+            model = auto.from_config(config, dtype=torch.float32, trust_remote_code=options.trust_remote_code)
         full_state = {}
+    if not options.train_vision:
+        freeze_vision_tower(model)
     if options.value_head:  # rank 0's initial head reaches the others with the weights
         attach_value_head(model, options.seed)
         if rank == 0:
@@ -318,12 +319,18 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one (``model.model.layers`` for HF decoder LMs)."""
+    """The repeated blocks to shard one by one (``model.model.layers`` for HF decoder LMs; a
+    vision-language model's language model layers and its vision tower's blocks)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
-    layers = getattr(getattr(base, "model", None), "layers", None)
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(inner, "language_model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no model.layers to shard (FSDP needs a decoder-only HF model)")
-    return list(layers)
+    tower = vision_tower(base)
+    blocks = list(getattr(tower[1], "blocks", None) or []) if tower is not None else []
+    return [*blocks, *layers]
 
 
 def _distinct(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -129,8 +129,11 @@ class AdapterWorker:
         return base.requires_grad_(False)
 
     def ready(self) -> dict[str, Any]:
+        pictures = self.pictures
         return {"vocab_size": self.vocab_size, "context": self.context,
-                "image_token_id": self.pictures.layout.image_token_id if self.pictures is not None else None}
+                "image_token_id": pictures.layout.image_token_id if pictures is not None else None,
+                # patches the vision tower runs per image token (merge x merge): a picture's cost
+                "patches_per_image_token": pictures.layout.merge ** 2 if pictures is not None else 0}
 
     def stats(self) -> dict[str, Any]:
         import resource
@@ -409,7 +412,7 @@ def plan_passes(prepared: list[_Prepared], max_resident: int | None, limits: Pas
     passes = []
     for group in groups:
         rows = [(item, row) for item in group for row in item.rows]
-        lengths = [len(item.batch.prompt_ids[row]) + len(item.batch.response_ids[row]) for item, row in rows]
+        lengths = [item.batch.row_cost(row) for item, row in rows]
         for cut in cut_rows(lengths, limits):
             chosen: dict[int, list[int]] = {}
             for position in cut:

@@ -26,6 +26,7 @@ from opentinker.server.model_serving import ModelServing
 from opentinker.server.revocation import stream_until_revoked
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import User
+from opentinker.server.validation import IMAGE_FLAGS
 
 router = APIRouter(
     tags=["serving"], dependencies=[Depends(current_user)],
@@ -88,15 +89,49 @@ class TextPart(BaseModel):
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
+class ImageUrl(BaseModel):
+    url: str = Field(max_length=64 * 1024 * 1024)  # a data: URL; the picture's own bound is the server's
+
+
+class ImagePart(BaseModel):
+    """A picture (for a vision-language model): a ``data:image/...;base64,`` URL only."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # name, ... : no effect here
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
+    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[
+        list[Annotated[TextPart | ImagePart, Field(discriminator="type")]], Field(max_length=64)]
 
-    def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_template_message(self) -> dict[str, Any]:
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, str):
+            return {"role": role, "content": self.content}
+        if not any(isinstance(p, ImagePart) for p in self.content):
+            return {"role": role, "content": "".join(p.text for p in self.content)}
+        return {"role": role, "content": [p.model_dump() for p in self.content]}
+
+
+def _check_pictures(messages: list[dict[str, Any]], settings: ServerSettings) -> None:
+    """400 for a picture the server would not read: not a data URL, over the operator's bounds
+    (checked from the file's header, nothing decoded), or too many of them."""
+    from opentinker.images import ImageError, data_url_payload, image_size, message_images
+
+    limits = settings.job_policy.image_limits
+    try:
+        urls = list(message_images(messages))
+        if len(urls) > limits.max_images_per_row:
+            raise ImageError(f"{len(urls)} pictures are over the limit of {limits.max_images_per_row} per request",
+                             "max_images_per_row")
+        for url in urls:
+            image_size(data_url_payload(url, limits), limits)
+    except ImageError as error:
+        flag = IMAGE_FLAGS.get(error.limit)
+        raise ApiError(400, f"messages: {error}" + (f" (the server's {flag})" if flag else "")) from None
 
 
 class ChatCompletionRequest(_Request):
@@ -222,6 +257,7 @@ async def chat_completions(
     settings: ServerSettings = Depends(_settings),
 ):
     messages = [m.as_template_message() for m in body.messages]
+    _check_pictures(messages, settings)
     return await _answer(http_request, body, {"messages": messages}, True, user, serving, settings)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -201,7 +202,7 @@ class SharedBase:
 
     def forward_backward(self, call: Any, user_id: int | None = None) -> asyncio.Future:
         """The call's result; a call bigger than one cycle share runs as chunks (see the class)."""
-        lengths = [len(tokens) + 1 for tokens, _ in call.data]  # N input tokens and the last target
+        lengths = [len(tokens) + 1 + self._picture_patches(tokens) for tokens, _ in call.data]  # N inputs, the last target
         groups = cut_rows(lengths, self.cycle_limits)
         if len(groups) == 1:
             return self._enqueue(call.model_id, user_id, True, call, self.cycle_limits.rows_cost(lengths))
@@ -221,6 +222,14 @@ class SharedBase:
         # The caller gone (its model unloaded): the chunks not run yet are dropped.
         future.add_done_callback(lambda done: done.cancelled() and [chunk.cancel() for _, chunk in chunks])
         return future
+
+    def _picture_patches(self, tokens: Any) -> int:
+        """The vision tower's positions of a datum's pictures (0 for a text model): a cycle's
+        share and a chunk's cut count them as the worker's passes do."""
+        image_token = self.limits.get("image_token_id")
+        if image_token is None:
+            return 0
+        return int((np.asarray(tokens) == image_token).sum()) * int(self.limits.get("patches_per_image_token") or 0)
 
     def op(self, method: str, model_id: str, *args: Any, user_id: int | None = None) -> asyncio.Future:
         return self._enqueue(model_id, user_id, False, (method, model_id, args))
