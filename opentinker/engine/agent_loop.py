@@ -29,7 +29,8 @@ from transformers import PreTrainedTokenizerBase
 
 from opentinker.engine.chat import ChatTemplater
 from opentinker.engine.rollout import Completion, SamplingParams
-from opentinker.engine.vision import ConversationPictures, PromptImages, VisionPromptEncoder, Widened
+from opentinker.engine.conversation_pictures import ConversationPictures, Widened
+from opentinker.engine.vision import PromptImages, VisionPromptEncoder
 from opentinker.environments.interaction import (
     MAX_STEPS_REACHED,
     TRUNCATED,
