@@ -200,6 +200,8 @@ def test_9_a_stored_job_list_survives_a_restart(start_server, tmp_path, helpers)
 def test_10_client_rows_that_would_kill_the_job_are_refused_before_202(alice, helpers):
     job_id = helpers.create_job(alice, "hold", mode="client", steps=3,
                                 config={"trainer.total_training_steps": 3, "data.max_prompt_length": 32})
+    # A queued job answers a push 503 (its runner is not up): on a loaded machine its actor takes a while.
+    helpers.wait_status(alice, job_id, "running")
     url = f"/v1/jobs/{job_id}/steps"
     good = {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "reward_model": {"ground_truth": "4"}}
     cases = [
@@ -215,8 +217,7 @@ def test_10_client_rows_that_would_kill_the_job_are_refused_before_202(alice, he
     surrogate = json.dumps({"step": 1, "rows": [good]}).replace("2 + 2", "\\ud800")
     _refused(_raw_post(alice, url, surrogate), 422, "lone surrogate")
     assert alice.post(url, json={"step": 1, "rows": [good]}).status_code == 202
-    # Nothing of that reached the job: it runs (its actor may still have been coming up).
-    helpers.wait_status(alice, job_id, "running")
+    assert helpers.job_status(alice, job_id) == "running"  # nothing of that reached the job
     alice.post(f"/v1/jobs/{job_id}/cancel")
 
 

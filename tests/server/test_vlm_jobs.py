@@ -132,3 +132,32 @@ def test_an_env_with_pictures_trains_direct_and_through_the_client_relay(server,
             assert info.status.value == "completed", info
             metrics = [m["metrics"] for m in handle.metrics() if "reward/mean" in m["metrics"]]
             assert len(metrics) == 2 and all(m["env/digits/env_errors"] == 0 for m in metrics), metrics
+
+
+def test_an_openenv_env_with_pictures_trains_through_the_client_relay(server, tmp_path, helpers, monkeypatch):
+    """A real OpenEnv server whose observation has an ``image`` field, reached through the thin
+    client's relay (each episode's WebSocket session carried by the client)."""
+    import json
+
+    from opentinker.environments.registry import InteractionSpec
+
+    from ..engine.test_vlm_agent_loop import PICTURE_ENV
+    from ..environments.openenv_server import running_openenv_server
+
+    monkeypatch.setenv("OPENTINKER_STATE_DIR", str(tmp_path))
+    key = helpers.make_user(tmp_path, "olga")
+    problems = [[p.a, p.b, image_part(p.png())["image"]] for p in digit_sum.make_problems(8, digit_sum.TRAIN_SEED)]
+    config = {"actor_rollout_ref.model.path": "tiny-vlm", "data.max_prompt_length": 128,
+              "data.max_response_length": 8, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 1,
+              "data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+              "actor_rollout_ref.rollout.n": 2, "trainer.test_freq": -1}
+    rows = [{"extra_info": {"interaction_kwargs": {"name": "sums"}}} for _ in range(8)]
+    with running_openenv_server(tmp_path, source=PICTURE_ENV % json.dumps(problems)) as live, \
+            OpenTinkerClient(server.url, key) as client:
+        spec = InteractionSpec(name="sums", class_path="openenv", config={"env_endpoint": live.url, "relay": "client"})
+        handle = client.submit(GenericEnvironment(config, [spec], dataset=rows), steps=2)
+        assert handle.relay is not None
+        info = handle.wait(progress=False)
+        metrics = [m["metrics"] for m in handle.metrics() if "reward/mean" in m["metrics"]]
+    assert info.status.value == "completed", info
+    assert len(metrics) == 2 and all(m["env/sums/env_errors"] == 0 for m in metrics), metrics
