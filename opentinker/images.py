@@ -243,10 +243,23 @@ def qwen2_vl_tokens(width: int, height: int, patch: int, merge: int, min_pixels:
     return (h // patch) * (w // patch) // (merge * merge)
 
 
-def read_message_images(messages: Any, limits: ImageLimits = ImageLimits()) -> list:
-    """Every picture of a chat, decoded under ``limits`` (their count included)."""
+def read_message_images(messages: Any, limits: ImageLimits = ImageLimits(), earlier: int = 0) -> list:
+    """Every picture of a chat, decoded under ``limits`` (their count included, with ``earlier``
+    pictures the same conversation already holds)."""
+    return [read_image(data_url_payload(url, limits), limits) for url in _counted_urls(messages, limits, earlier)]
+
+
+def check_message_images(messages: Any, limits: ImageLimits = ImageLimits()) -> None:
+    """What :func:`read_message_images` checks, from the files' headers: nothing is decoded
+    (where another process decodes the pictures later)."""
+    for url in _counted_urls(messages, limits, 0):
+        image_size(data_url_payload(url, limits), limits)
+
+
+def _counted_urls(messages: Any, limits: ImageLimits, earlier: int) -> list[str]:
     urls = list(message_images(messages))
-    if len(urls) > limits.max_images_per_row:
-        raise ImageError(f"{len(urls)} pictures are over the limit of {limits.max_images_per_row} per row",
+    total = earlier + len(urls)
+    if total > limits.max_images_per_row:
+        raise ImageError(f"{total} pictures are over the limit of {limits.max_images_per_row} per row",
                          "max_images_per_row")
-    return [read_image(data_url_payload(url, limits), limits) for url in urls]
+    return urls

@@ -38,19 +38,14 @@ class ConversationPictures:
         read (under the encoder's limits, counting every picture of the conversation) and their
         placeholders widened; :meth:`keep` it once its ids are appended. ValueError (an
         ImageError for a bad picture) when it cannot."""
-        from opentinker.images import ImageError, data_url_payload, message_images, read_image
+        from opentinker.images import message_images, read_message_images
 
-        urls = list(message_images(messages))
-        if not urls:
+        if not any(True for _ in message_images(messages)):
             return Widened(list(ids))
         if self.encoder is None:
             raise ValueError("the conversation has pictures but the model is not a vision-language model")
-        limits = self.encoder.limits
-        if len(self._grids) + len(urls) > limits.max_images_per_row:
-            raise ImageError(f"{len(self._grids) + len(urls)} pictures in one conversation are over the limit of "
-                             f"{limits.max_images_per_row}", "max_images_per_row")
-        pixel_values, grids = self.encoder.processor([read_image(data_url_payload(url, limits), limits)
-                                                     for url in urls])
+        pixel_values, grids = self.encoder.processor(
+            read_message_images(messages, self.encoder.limits, earlier=len(self._grids)))
         return Widened(expand_image_pads(ids, grids, self.encoder.layout), pixel_values, grids)
 
     def keep(self, widened: Widened) -> list[int]:

@@ -119,16 +119,10 @@ class ChatMessage(BaseModel):
 def _check_pictures(messages: list[dict[str, Any]], settings: ServerSettings) -> None:
     """400 for a picture the server would not read: not a data URL, over the operator's bounds
     (checked from the file's header, nothing decoded), or too many of them."""
-    from opentinker.images import ImageError, data_url_payload, image_size, message_images
+    from opentinker.images import ImageError, check_message_images
 
-    limits = settings.job_policy.image_limits
     try:
-        urls = list(message_images(messages))
-        if len(urls) > limits.max_images_per_row:
-            raise ImageError(f"{len(urls)} pictures are over the limit of {limits.max_images_per_row} per request",
-                             "max_images_per_row")
-        for url in urls:
-            image_size(data_url_payload(url, limits), limits)
+        check_message_images(messages, settings.job_policy.image_limits)
     except ImageError as error:
         flag = IMAGE_FLAGS.get(error.limit)
         raise ApiError(400, f"messages: {error}" + (f" (the server's {flag})" if flag else "")) from None
