@@ -35,6 +35,7 @@ from opentinker.server.routers.relay import RelayBoard
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
 from opentinker.server.tinker import routes as tinker_routes
+from opentinker.server.accounting import AuditLog, UsageMeter
 from opentinker.server.tinker.service import TinkerService, tinker_settings
 from opentinker.server.validation import Tokenizers
 
@@ -76,8 +77,10 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.state.serving = ModelServing(store, manager, settings)
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
         app.state.env_checks_by_user = set()  # users with a check running: one each
+        app.state.audit = AuditLog(store, settings.audit_retention_days, settings.audit_max_entries)
+        app.state.usage = UsageMeter(store, settings.usage_retention_days)
         app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy,
-                                          tinker_settings(settings))
+                                          tinker_settings(settings), audit=app.state.audit, usage=app.state.usage)
         await app.state.tinker.start()
         for job_id in interrupted:  # those with a checkpoint continue from it
             if await manager.resume(job_id, "resuming from its last checkpoint after a server restart"):

@@ -120,17 +120,25 @@ def _admin(args: argparse.Namespace) -> int:
         store.close()
 
 
-def _parse_limits(items: Sequence[str]) -> dict[str, float]:
-    limits = {}
+def _parse_pairs(flag: str, items: Sequence[str], example: str) -> dict[str, float]:
+    pairs = {}
     for item in items:
         key, sep, value = item.partition("=")
         try:
-            limits[key.strip()] = float(value)
+            pairs[key.strip()] = float(value)
         except ValueError:
             sep = ""
         if not sep:
-            raise ValueError(f"--limit {item!r}: expected KEY=MAX, e.g. trainer.total_training_steps=1000")
-    return limits
+            raise ValueError(f"{flag} {item!r}: expected {example}")
+    return pairs
+
+
+def _parse_limits(items: Sequence[str]) -> dict[str, float]:
+    return _parse_pairs("--limit", items, "KEY=MAX, e.g. trainer.total_training_steps=1000")
+
+
+def _parse_prices(items: Sequence[str]) -> dict[str, float]:
+    return _parse_pairs("--price", items, "KIND=USD, e.g. training=0.40")
 
 
 def prepare_served_models(models) -> None:
@@ -213,6 +221,15 @@ def _serve(args: argparse.Namespace) -> int:
             tinker_max_checkpoints=args.tinker_max_checkpoints,
             tinker_max_checkpoint_gb=args.tinker_max_checkpoint_gb,
             tinker_max_checkpoint_ttl_s=args.tinker_max_checkpoint_ttl,
+            max_projects_per_user=args.max_projects_per_user,
+            identity_token_s=args.identity_token_s,
+            public_url=args.public_url,
+            signed_url_s=args.signed_url_s,
+            external_weights_dir=args.external_weights_dir,
+            audit_retention_days=args.audit_retention_days,
+            audit_max_entries=args.audit_max_entries,
+            usage_retention_days=args.usage_retention_days,
+            prices=_parse_prices(args.price),
             dashboard_session_s=args.dashboard_session_hours * 3600,
             serve_device=args.serve_device,
             serve_max_models=args.serve_max_models,

@@ -41,6 +41,7 @@ def _serve_parser(commands) -> None:
     _operator_options(serve)
     _quota_options(serve)
     _tinker_options(serve)
+    _accounting_options(serve)
     _serving_options(serve)
 
 
@@ -181,6 +182,33 @@ def _tinker_options(serve: argparse.ArgumentParser) -> None:
     tinker.add_argument("--tinker-max-checkpoint-ttl", type=int, default=10 * 365 * 86400, metavar="SECONDS",
                         help="the longest ttl_seconds a save may ask; past it 400 (a save without one is kept "
                              "until deleted) (default: %(default)s, 10 years)")
+
+
+def _accounting_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("sharing and accounting (projects, signed URLs, the audit log, usage)")
+    group.add_argument("--max-projects-per-user", type=int, default=100, metavar="N",
+                       help="project names one user may put sessions in (default: %(default)s)")
+    group.add_argument("--identity-token-s", type=int, default=900, metavar="SECONDS",
+                       help="lifetime of the identity tokens the Tinker SDK trades its API key for (whoami); a "
+                            "revoked key's tokens stop working at once (default: %(default)s)")
+    group.add_argument("--public-url", default=None, metavar="URL",
+                       help="this server's address as clients reach it, for the signed download URLs it hands "
+                            "out (default: the address each request came to)")
+    group.add_argument("--signed-url-s", type=int, default=3600, metavar="SECONDS",
+                       help="how long a signed download URL works (default: %(default)s)")
+    group.add_argument("--external-weights-dir", type=Path, default=None, metavar="DIR",
+                       help="where save_weights_external writes a user's exported weights, each user in a "
+                            "folder of their own (default: <data-dir>/external)")
+    group.add_argument("--audit-retention-days", type=float, default=90.0, metavar="DAYS",
+                       help="audit log entries are kept this long (default: %(default)s)")
+    group.add_argument("--audit-max-entries", type=int, default=1_000_000, metavar="N",
+                       help="the most audit log entries kept; the oldest go first (default: %(default)s)")
+    group.add_argument("--usage-retention-days", type=float, default=400.0, metavar="DAYS",
+                       help="hourly usage buckets are kept this long (default: %(default)s)")
+    group.add_argument("--price", action="append", default=[], metavar="KIND=USD",
+                       help="show estimated costs: USD per million tokens (training, sampling_prefill, "
+                            "sampling_sample), per GB-month (storage), per hour (compute_s) or per checkpoint "
+                            "(checkpoint); repeatable; without any, usage is reported without prices")
 
 
 def _serving_options(serve: argparse.ArgumentParser) -> None:

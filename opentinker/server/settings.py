@@ -146,6 +146,16 @@ class ServerSettings:
     # The longest ttl_seconds a save may ask (400 past it; the SDK's own range ends at 10 years).
     # A checkpoint saved without one is kept until deleted (the SDK's contract), within the quota.
     tinker_max_checkpoint_ttl_s: int = 10 * 365 * 86400
+    # Sharing and accounting: projects, signed download URLs, the audit log, usage metering.
+    max_projects_per_user: int = 100  # project names one user may use (assign_session_project)
+    identity_token_s: int = 900  # lifetime of the Tinker SDK's identity tokens (JWTs), refreshed at half of it
+    public_url: str | None = None  # the base of signed URLs handed out (default: the request's own base URL)
+    signed_url_s: int = 3600  # how long a signed download URL (external weights, session traces) works
+    external_weights_dir: Path | None = None  # where save_weights_external writes (default <data_dir>/external)
+    audit_retention_days: float = 90.0
+    audit_max_entries: int = 1_000_000
+    usage_retention_days: float = 400.0
+    prices: dict[str, float] = field(default_factory=dict)  # usage kind -> USD (--price); none: no costs shown
     # Serving trained models (/v1/chat/completions, /v1/completions).
     serve_device: str = "cpu"  # where saved checkpoints are loaded to answer: cpu | cuda (one GPU)
     serve_max_models: int = 2  # checkpoints kept loaded at once (least recently used dropped)
@@ -163,7 +173,8 @@ class ServerSettings:
                      "tinker_max_models", "tinker_max_sessions_per_user", "tinker_max_queued_requests",
                      "tinker_max_queued_requests_per_user", "tinker_sampler_adapter_cache_mb", "tinker_max_lora_rank",
                      "tinker_max_checkpoints", "tinker_max_checkpoint_ttl_s", "tinker_pass_tokens",
-                     "tinker_cycle_tokens", "tinker_max_idle_models_per_user"):
+                     "tinker_cycle_tokens", "tinker_max_idle_models_per_user", "max_projects_per_user",
+                     "identity_token_s", "signed_url_s", "audit_max_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_env_relays_per_user", "env_relay_in_flight", "env_relay_buffer_mb", "max_image_bytes",
@@ -174,6 +185,17 @@ class ServerSettings:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.trusted_proxies = [_proxy_address(item) for item in self.trusted_proxies]
+        if self.external_weights_dir is None:
+            self.external_weights_dir = self.data_dir / "external"
+        self.external_weights_dir = Path(self.external_weights_dir).expanduser()
+        from opentinker.server.accounting.usage import KINDS  # here: settings import nothing heavy at module level
+
+        for kind, price in self.prices.items():
+            if kind not in KINDS or price < 0:
+                raise ValueError(f"prices (--price): {kind}={price} must name a usage kind ({', '.join(KINDS)}) "
+                                 "and a price >= 0")
+        if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
+            raise ValueError(f"public_url (--public-url) must start with http:// or https://, got {self.public_url!r}")
         if self.serve_device not in ("cpu", "cuda"):
             raise ValueError(f"serve_device must be 'cpu' or 'cuda', got {self.serve_device!r}")
         if self.tinker_strategy not in ("local", "fsdp"):

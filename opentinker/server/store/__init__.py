@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import sqlite3
 import threading
 import uuid
@@ -71,6 +72,8 @@ class Store(CredentialTables, JobTables, EventTables):
                 self._conn.execute("ALTER TABLE steps ADD COLUMN rows_json TEXT")
             if "size_bytes" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(checkpoints)")}:
                 self._conn.execute("ALTER TABLE checkpoints ADD COLUMN size_bytes INTEGER")
+            if "is_admin" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(users)")}:
+                self._conn.execute("ALTER TABLE users ADD COLUMN is_admin INTEGER NOT NULL DEFAULT 0")
             if "last_used_at" not in {row["name"] for row in self._conn.execute("PRAGMA table_info(api_keys)")}:
                 self._conn.execute("ALTER TABLE api_keys ADD COLUMN last_used_at REAL")
             self._move_datasets_out_of_specs()
@@ -114,6 +117,14 @@ class Store(CredentialTables, JobTables, EventTables):
     # Other modules' tables (the Tinker API's) live in the same file, through these two.
     transaction = _transaction
     query = _query
+
+    def secret(self, name: str) -> bytes:
+        """A random 256-bit key made the first time ``name`` is asked for and kept in this store
+        (what signs download URLs and identity tokens): the same across restarts, never sent."""
+        with self._transaction() as conn:
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (f"secret:{name}", secrets.token_hex(32)))
+            (value,) = conn.execute("SELECT value FROM meta WHERE key = ?", (f"secret:{name}",)).fetchone()
+        return bytes.fromhex(value)
 
     def server_id(self) -> str:
         """A random id made the first time this store is opened: it names this server's

@@ -27,17 +27,27 @@ class CredentialTables:
         return User(id=int(cur.lastrowid), name=name, created_at=now)
 
     def get_user(self, name: str) -> User | None:
-        rows = self._query("SELECT id, name, created_at FROM users WHERE name = ?", (name,))
-        return User(**dict(rows[0])) if rows else None
+        rows = self._query("SELECT id, name, created_at, is_admin FROM users WHERE name = ?", (name,))
+        return _user(rows[0]) if rows else None
+
+    def user_by_id(self, user_id: int) -> User | None:
+        rows = self._query("SELECT id, name, created_at, is_admin FROM users WHERE id = ?", (user_id,))
+        return _user(rows[0]) if rows else None
+
+    def set_admin(self, name: str, is_admin: bool) -> bool:
+        """Make the user an admin (or not); False if there is no such user."""
+        with self._transaction() as conn:
+            cur = conn.execute("UPDATE users SET is_admin = ? WHERE name = ?", (int(is_admin), name))
+        return cur.rowcount > 0
 
     def list_users(self) -> list[tuple[User, int]]:
         """Every user with the number of its active keys."""
         rows = self._query(
-            "SELECT u.id, u.name, u.created_at, "
+            "SELECT u.id, u.name, u.created_at, u.is_admin, "
             "(SELECT COUNT(*) FROM api_keys k WHERE k.user_id = u.id AND k.revoked = 0) AS active_keys "
             "FROM users u ORDER BY u.name"
         )
-        return [(User(id=r["id"], name=r["name"], created_at=r["created_at"]), r["active_keys"]) for r in rows]
+        return [(_user(r), r["active_keys"]) for r in rows]
 
     def add_api_key(self, user: User, key_hash: str, prefix: str) -> None:
         with self._transaction() as conn:
@@ -49,7 +59,7 @@ class CredentialTables:
     def user_for_key_hash(self, key_hash: str) -> User | None:
         """The owner of the (unrevoked) key of ``key_hash``; notes when the key was last used."""
         rows = self._query(
-            "SELECT u.id, u.name, u.created_at, k.id AS key_id, k.last_used_at FROM api_keys k "
+            "SELECT u.id, u.name, u.created_at, u.is_admin, k.id AS key_id, k.last_used_at FROM api_keys k "
             "JOIN users u ON u.id = k.user_id WHERE k.key_hash = ? AND k.revoked = 0",
             (key_hash,),
         )
@@ -60,7 +70,7 @@ class CredentialTables:
         if row["last_used_at"] is None or now - row["last_used_at"] >= KEY_USE_RESOLUTION_S:
             with self._transaction() as conn:
                 conn.execute("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, row["key_id"]))
-        return User(id=row["id"], name=row["name"], created_at=row["created_at"])
+        return _user(row)
 
     def list_api_keys(self, user: User | None = None, key_hash: str | None = None) -> list[ApiKeyInfo]:
         """Every key (or ``user``'s, or the one of ``key_hash``), oldest first."""
@@ -109,7 +119,7 @@ class CredentialTables:
     def session(self, token_hash: str) -> DashboardSession | None:
         """The live session of ``token_hash``: not expired, its API key not revoked."""
         rows = self._query(
-            "SELECT u.id, u.name, u.created_at AS user_created_at, k.prefix, s.created_at, s.expires_at "
+            "SELECT u.id, u.name, u.created_at AS user_created_at, u.is_admin, k.prefix, s.created_at, s.expires_at "
             "FROM dashboard_sessions s JOIN api_keys k ON k.id = s.api_key_id JOIN users u ON u.id = s.user_id "
             "WHERE s.token_hash = ? AND s.expires_at > ? AND k.revoked = 0",
             (token_hash, time.time()),
@@ -117,7 +127,7 @@ class CredentialTables:
         if not rows:
             return None
         r = rows[0]
-        return DashboardSession(user=User(id=r["id"], name=r["name"], created_at=r["user_created_at"]),
+        return DashboardSession(user=User(r["id"], r["name"], r["user_created_at"], bool(r["is_admin"])),
                                 key_prefix=r["prefix"], created_at=r["created_at"], expires_at=r["expires_at"])
 
     def ended_credentials(self, key_hashes: Sequence[str], token_hashes: Sequence[str]) -> tuple[set[str], set[str]]:
@@ -143,3 +153,7 @@ class CredentialTables:
         with self._transaction() as conn:
             cur = conn.execute("DELETE FROM dashboard_sessions WHERE token_hash = ?", (token_hash,))
         return cur.rowcount > 0
+
+
+def _user(row: sqlite3.Row) -> User:
+    return User(id=row["id"], name=row["name"], created_at=row["created_at"], is_admin=bool(row["is_admin"]))

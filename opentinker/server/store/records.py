@@ -15,7 +15,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS users (
     id INTEGER PRIMARY KEY,
     name TEXT NOT NULL UNIQUE,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    is_admin INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     id INTEGER PRIMARY KEY,
@@ -110,6 +111,7 @@ class User:
     id: int
     name: str
     created_at: float
+    is_admin: bool = False  # sees every user's usage, audit entries, sessions and checkpoints (read-only)
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,18 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from opentinker.images import ImageLimits
 from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.pass_plan import PassLimits
+from opentinker.server.accounting import AuditLog, UsageMeter
 from opentinker.server.checkpoint_caps import folder_bytes, server_cap
 from opentinker.server.policy import JobPolicy, ServedModel
 from opentinker.server.settings import ServerSettings
+from opentinker.server.signed_urls import UrlSigner
 from opentinker.server.store import Store
 from opentinker.server.tinker.checkpoint_quota import CheckpointQuota, QuotaExceeded, Usage
 from opentinker.server.tinker.completions import CompletionFeeds
@@ -81,6 +83,12 @@ class TinkerSettings:
     max_server_checkpoint_bytes: int = 200 * 2**30  # every checkpoint on the server, all users' and RL jobs'
     housekeeping_s: float = 10.0
     image_limits: ImageLimits = ImageLimits()  # pictures in image chunks (--max-image-bytes, ...)
+    max_projects_per_user: int = 100
+    identity_token_s: int = 900  # the SDK's identity tokens (JWTs) live this long
+    public_url: str | None = None  # the base of signed URLs (None: each request's own base URL)
+    signed_url_s: int = 3600  # signed download URLs work this long
+    external_weights_dir: Path | None = None  # save_weights_external's destination (None: <data_dir>/external)
+    prices: dict[str, float] = field(default_factory=dict)  # usage kind -> USD (estimated costs; none: no costs)
     host: HostSettings = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -105,7 +113,8 @@ class ServerFull(Exception):
 
 
 class TinkerService:
-    def __init__(self, store: Store, data_dir: Path, policy: JobPolicy, settings: TinkerSettings):
+    def __init__(self, store: Store, data_dir: Path, policy: JobPolicy, settings: TinkerSettings, *,
+                 audit: AuditLog | None = None, usage: UsageMeter | None = None):
         self.state = TinkerState(store, settings.keep_ended_sessions, settings.max_samplers_per_session,
                                  settings.max_samplers_per_user)
         self.futures = FutureTable(store)
@@ -121,6 +130,16 @@ class TinkerService:
         self.checkpoint_quota = CheckpointQuota(settings.max_checkpoints_per_user,
                                                 settings.max_checkpoint_bytes_per_user)
         self.server_cap = server_cap(settings.max_server_checkpoint_bytes)
+        self.audit = audit or AuditLog(store)  # shared with the RL job API (app.state.audit)
+        self.usage = usage or UsageMeter(store)
+        self.signer = UrlSigner(store.secret("download_urls"))
+
+    def signed_url(self, base_url: str, path: str) -> tuple[str, float]:
+        """An absolute download link to ``path`` (URL-quoted, from the server's root) that works
+        for ``signed_url_s`` seconds, and when it expires. ``base_url``: the request's own (used
+        unless the operator set --public-url)."""
+        link, expires = self.signer.sign(path, self.settings.signed_url_s)
+        return (self.settings.public_url or base_url).rstrip("/") + link, expires
 
     async def start(self) -> None:
         lost = self.state.mark_models_lost("the server restarted; create the model again from a checkpoint "
@@ -400,6 +419,9 @@ def tinker_settings(settings: ServerSettings) -> TinkerSettings:
         max_checkpoint_ttl_s=settings.tinker_max_checkpoint_ttl_s,
         max_server_checkpoint_bytes=int(settings.max_checkpoint_gb * 2**30),
         image_limits=settings.job_policy.image_limits,
+        max_projects_per_user=settings.max_projects_per_user, identity_token_s=settings.identity_token_s,
+        public_url=settings.public_url, signed_url_s=settings.signed_url_s,
+        external_weights_dir=settings.external_weights_dir, prices=dict(settings.prices),
         host=HostSettings(strategy=settings.tinker_strategy, ranks=settings.tinker_ranks,
                           max_resident_adapters=settings.tinker_max_resident_adapters,
                           offload_dir=str(settings.data_dir / "tinker" / "offload"),
