@@ -31,6 +31,9 @@ from opentinker.server.model_serving import ModelServing
 from opentinker.server.request_body import add_body_schemas
 from opentinker.server.revocation import CredentialWatch
 from opentinker.server.routers import checkpoints, completions, env, events, health, jobs, models, relay, steps
+from opentinker.server.routers import usage as usage_router
+from opentinker.server.routers import audit as audit_router
+from opentinker.server import audit_hooks
 from opentinker.server.routers.relay import RelayBoard
 from opentinker.server.settings import ServerSettings
 from opentinker.server.store import Store
@@ -78,6 +81,7 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
         app.state.env_check_slots = asyncio.Semaphore(settings.max_concurrent_env_checks)
         app.state.env_checks_by_user = set()  # users with a check running: one each
         app.state.audit = AuditLog(store, settings.audit_retention_days, settings.audit_max_entries)
+        audit_hooks.install(app)  # key_use from the store, kept job checkpoints from the manager
         app.state.usage = UsageMeter(store, settings.usage_retention_days)
         app.state.tinker = TinkerService(store, settings.data_dir, settings.job_policy,
                                           tinker_settings(settings), audit=app.state.audit, usage=app.state.usage)
@@ -112,7 +116,8 @@ def create_app(settings: ServerSettings | None = None, *, runner_cls: type | Non
     limit = settings.auth_failures_per_minute
     app.state.auth_limiter = FailedAuthLimiter(limit) if limit else None
     install_error_handlers(app)
-    for module in (health, models, jobs, steps, events, checkpoints, env, completions, relay):
+    for module in (health, models, jobs, steps, events, checkpoints, env, completions, relay, usage_router,
+                   audit_router):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(tinker_routes.router)  # the Tinker API, under /api/v1
     app.include_router(dashboard.router)  # the web dashboard at / and its login, /v1/session

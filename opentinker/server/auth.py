@@ -21,6 +21,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from opentinker.server.errors import ApiError
+from opentinker.server.audit_hooks import note_refused_key
 from opentinker.server.revocation import note_credential
 from opentinker.server.store import Store, User
 
@@ -117,7 +118,9 @@ class FailedAuthLimiter:
 
 def refuse_key(request: Request, unauthorized: ApiError) -> ApiError:
     """The answer to a wrong API key: ``unauthorized`` (401), or 429 once the client's
-    address has sent too many (``app.state.auth_limiter``; None: no limit)."""
+    address has sent too many (``app.state.auth_limiter``; None: no limit). Leaves a
+    ``key_refused`` audit entry (at most one per address a minute: :mod:`.audit_hooks`)."""
+    note_refused_key(request)
     limiter: FailedAuthLimiter | None = getattr(request.app.state, "auth_limiter", None)
     wait = limiter.failed(request.client.host if request.client else "") if limiter is not None else None
     if wait is None:

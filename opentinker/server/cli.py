@@ -9,6 +9,10 @@
     opentinker-server admin list-users [--data-dir DIR]
     opentinker-server admin list-keys [--user NAME] [--data-dir DIR]
     opentinker-server admin revoke-key KEY_ID|KEY | --user NAME [--data-dir DIR]
+    opentinker-server admin usage [--user NAME] [--since DAYS | --start T --end T] [--data-dir DIR]
+    opentinker-server admin audit [--user NAME] [--day YYYY-MM-DD | --since HOURS] [--event EVENT ...]
+                                  [--limit N] [--data-dir DIR]
+    opentinker-server admin set-admin NAME [--off] [--data-dir DIR]   # create-user NAME --admin too
 
 Without ``--data-dir``, ``serve`` and the admin commands use ``$OPENTINKER_DATA_DIR``, else
 ``~/.opentinker-server``: a key works only on a server started on the folder it was made in.
@@ -83,7 +87,7 @@ def _revoke_key(store, key: str | None, user_name: str | None) -> int:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    from opentinker.server import auth
+    from opentinker.server import admin_audit, auth
     from opentinker.server.store import Store
 
     store = Store(Path(args.data_dir).expanduser() / "opentinker.db")
@@ -94,6 +98,8 @@ def _admin(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 return _fail(str(exc))
             print(f"created user {user.name!r}; make a key with: opentinker-server admin create-key {user.name}")
+            if args.admin:
+                return admin_audit.set_admin(store, user.name, True)
         elif args.admin_command == "create-key":
             try:
                 key = auth.create_api_key(store, args.user)
@@ -110,11 +116,22 @@ def _admin(args: argparse.Namespace) -> int:
             if not users:
                 print("no users yet; add one with: opentinker-server admin create-user NAME")
             for user, active_keys in users:
-                print(f"{user.name}\t{active_keys} active key(s)")
+                print(f"{user.name}\t{active_keys} active key(s)" + ("\tadmin" if user.is_admin else ""))
         elif args.admin_command == "list-keys":
             return _list_keys(store, args.user)
         elif args.admin_command == "revoke-key":
             return _revoke_key(store, args.key, args.user)
+        elif args.admin_command == "audit":
+            return admin_audit.print_audit(store, args)
+        elif args.admin_command == "set-admin":
+            return admin_audit.set_admin(store, args.name, not args.off)
+        elif args.admin_command == "usage":
+            from opentinker.server.admin_reports import print_usage
+
+            try:
+                print_usage(store, args.user, args.since, args.start, args.end)
+            except ValueError as exc:
+                return _fail(str(exc))
         return 0
     finally:
         store.close()

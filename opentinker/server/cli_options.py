@@ -228,6 +228,7 @@ def _admin_parser(commands) -> None:
     admin_commands = admin.add_subparsers(dest="admin_command", required=True)
     create_user = admin_commands.add_parser("create-user", help="add a user")
     create_user.add_argument("name")
+    create_user.add_argument("--admin", action="store_true", help="make the user an admin (see set-admin)")
     _add_data_dir(create_user)
     create_key = admin_commands.add_parser("create-key", help="make an API key for a user (shown once)")
     create_key.add_argument("user")
@@ -245,3 +246,37 @@ def _admin_parser(commands) -> None:
     revoked_keys.add_argument("key", metavar="KEY_ID|KEY", nargs="?", help="an id from list-keys, or the key itself")
     revoked_keys.add_argument("--user", help="revoke all of this user's active keys")
     _add_data_dir(revoke_key)
+    _usage_parser(admin_commands)
+    _audit_parsers(admin_commands)
+
+
+def _usage_parser(admin_commands) -> None:
+    usage = admin_commands.add_parser(
+        "usage", help="what each user's work used, per kind: tokens trained and sampled, compute seconds, "
+                      "checkpoints written, checkpoint GB-hours (quantities; the server's --price gives costs)")
+    usage.add_argument("--user", help="only this user's usage")
+    usage.add_argument("--since", type=float, default=None, metavar="DAYS",
+                       help="the last DAYS days, to the end of the current hour (default: 30)")
+    usage.add_argument("--start", default=None, metavar="TIME", help="from this UTC time or date (ISO 8601)")
+    usage.add_argument("--end", default=None, metavar="TIME", help="until this UTC time or date (default: now)")
+    _add_data_dir(usage)
+
+
+def _audit_parsers(admin_commands) -> None:
+    audit = admin_commands.add_parser(
+        "audit", help="the audit log, newest first: who created, deleted, shared or downloaded what, on both APIs, "
+                      "which key was used, which requests were refused")
+    audit.add_argument("--user", help="only what this user did or was about")
+    when = audit.add_mutually_exclusive_group()
+    when.add_argument("--day", metavar="YYYY-MM-DD", help="only this UTC day")
+    when.add_argument("--since", type=float, metavar="HOURS", help="only the last HOURS hours")
+    audit.add_argument("--event", action="append", default=[], metavar="EVENT",
+                       help="only this event, e.g. key_refused, job_create (repeatable)")
+    audit.add_argument("--limit", type=int, default=50, metavar="N", help="at most N entries (default: %(default)s)")
+    _add_data_dir(audit)
+    set_admin = admin_commands.add_parser(
+        "set-admin", help="make a user an admin (their keys read every user's audit log, usage, sessions and "
+                          "checkpoints, read-only), or not (--off)")
+    set_admin.add_argument("name")
+    set_admin.add_argument("--off", action="store_true", help="no longer an admin")
+    _add_data_dir(set_admin)

@@ -9,6 +9,7 @@ from fastapi import Depends, Path, Request
 
 from opentinker.environments.registry import InteractionRegistry
 from opentinker.protocol import JOB_ID_PATTERN
+from opentinker.server.audit_hooks import record_denied
 from opentinker.server.auth import current_user
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.jobs import JobManager
@@ -33,14 +34,19 @@ def get_registry(request: Request) -> InteractionRegistry:
 
 
 def owned_job(
+    request: Request,
     job_id: str = Path(description="the id POST /v1/jobs returned", pattern=JOB_ID_PATTERN),
     user: User = Depends(current_user),
     store: Store = Depends(get_store),
 ) -> JobRecord:
     """The job, if it is the caller's. Another user's job is reported exactly like a
-    missing one, so ids cannot be probed."""
+    missing one, so ids cannot be probed; the attempt is an ``access_denied`` audit entry
+    about the job's owner (the asker must not learn from their own entries that it exists)."""
     job = store.get_job(job_id, user=user)
     if job is None:
+        other = store.get_job(job_id)
+        if other is not None:
+            record_denied(request, user, other.user_id, resource=f"job:{job_id}", path=request.url.path)
         raise not_found(f"job {job_id!r}")
     return job
 

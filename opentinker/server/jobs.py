@@ -49,7 +49,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from opentinker.protocol import JobStatus, step_checkpoint_name
+from opentinker.server.accounting import UsageMeter
+from opentinker.server.audit_hooks import kept_checkpoints
 from opentinker.server.checkpoint_caps import JobCheckpointCaps
+from opentinker.server.job_metering import JobMetering
 from opentinker.server.ray_cluster import RayCluster
 from opentinker.server.redaction import Redaction
 from opentinker.server.runner_reports import final_status, normalize_events, ray_failure_reason
@@ -128,6 +131,10 @@ class JobManager:
         self.cluster = RayCluster(settings, self.namespace, leftover_prefix=actor_name(""))
         self.redaction = Redaction(settings)  # server folders out of what users read
         self.checkpoints = JobCheckpointCaps(store, settings)
+        self.audit: Any = None  # the app's AuditLog (audit_hooks.install): kept checkpoints are audited
+        # Each step's tokens, compute seconds and checkpoints, as its events arrive (the same
+        # usage_buckets table as app.state.usage's meter: the meter keeps nothing in memory).
+        self.metering = JobMetering(UsageMeter(store, settings.usage_retention_days), store, settings.job_policy)
 
     # lifecycle -----------------------------------------------------------------------
 
@@ -326,6 +333,8 @@ class JobManager:
                 active.checkpoint_bytes = size or active.checkpoint_bytes
                 kept += events[i]["data"].get("size_bytes") or 0
         self.store.append_runner_events(active.job_id, events)
+        kept_checkpoints(self.audit, self.store, active.user_id, active.job_id, events)
+        self.metering.record(active.job_id, active.user_id, events)
         for event in events:
             step = event["data"].get("step")
             if event["type"] == "progress" and isinstance(step, int):

@@ -45,6 +45,20 @@ class UrlSigner:
             raise SignatureError("the link has expired: ask for a new one")
 
 
+def check_link(signer: UrlSigner, path: str, expires: str | None, signature: str | None, source: str) -> None:
+    """The answer to a download: 401 for no signature at all (like any route without a
+    credential; ``source`` says where links come from), 403 for an expired or altered one."""
+    from opentinker.server.errors import ApiError  # the HTTP layer's, kept out of the signing itself
+
+    if expires is None and signature is None:
+        raise ApiError(401, f"a download needs a signed link: {source} gives them (each works without an API key "
+                            "until it expires)")
+    try:
+        signer.verify(path, expires, signature)
+    except SignatureError as error:
+        raise ApiError(403, str(error)) from None
+
+
 def quoted(*parts: str) -> str:
     """``/a/b/c`` from path parts, each URL-quoted (a part holds no slash of its own)."""
     return "".join("/" + quote(part, safe="") for part in parts)

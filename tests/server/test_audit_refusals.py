@@ -72,24 +72,24 @@ def _too_deep(answer: httpx.Response) -> None:
 
 
 def test_deep_json_to_an_unsupported_tinker_route_is_a_400(server, keys, caplog):
-    not_offered = "copying checkpoints between runs is not offered"
+    not_offered = "cancelling futures is off"
     with _tinker(server, keys["alice"]) as raw, caplog.at_level(logging.ERROR, logger="opentinker"):
         # The audit's request (a 500 RecursionError before).
-        _too_deep(raw.post("/copy_weights", content=f'{{"model_id": {DEEP}}}', headers=JSON))
+        _too_deep(raw.post("/cancel_future", content=f'{{"model_id": {DEEP}}}', headers=JSON))
         _too_deep(raw.put("/sessions/s/project", content=DEEP, headers=JSON))
-        _too_deep(raw.post("/copy_weights", content=DEEP))  # no Content-Type: still JSON to the route
+        _too_deep(raw.post("/cancel_future", content=DEEP))  # no Content-Type: still JSON to the route
         # Streamed (no Content-Length): counted as it arrives.
-        _too_deep(raw.post("/copy_weights", content=iter([b'{"model_id": ', DEEP.encode()[:7000], DEEP.encode()[7000:],
+        _too_deep(raw.post("/cancel_future", content=iter([b'{"model_id": ', DEEP.encode()[:7000], DEEP.encode()[7000:],
                                                           b"}"]), headers=JSON))
         # Protobuf bodies are not counted (forward_backward's are binary); the route decodes
         # this one as JSON all the same, and answers its own 400.
-        answer = raw.post("/copy_weights", content=DEEP, headers={"Content-Type": "application/x-protobuf"})
+        answer = raw.post("/cancel_future", content=DEEP, headers={"Content-Type": "application/x-protobuf"})
         assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
         # 32 levels are accepted, 33 are not; brackets inside a string do not count.
-        answer = raw.post("/copy_weights", content='{"model_id": ' + "[" * 31 + "]" * 31 + "}", headers=JSON)
+        answer = raw.post("/cancel_future", content='{"model_id": ' + "[" * 31 + "]" * 31 + "}", headers=JSON)
         assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
-        _too_deep(raw.post("/copy_weights", content='{"model_id": ' + "[" * 32 + "]" * 32 + "}", headers=JSON))
-        answer = raw.post("/copy_weights", json={"model_id": "[{" * 5000 + '\\"'})
+        _too_deep(raw.post("/cancel_future", content='{"model_id": ' + "[" * 32 + "]" * 32 + "}", headers=JSON))
+        answer = raw.post("/cancel_future", json={"model_id": "[{" * 5000 + '\\"'})
         assert answer.status_code == 400 and not_offered in answer.json()["error"], answer.text
     assert not caplog.records  # a client's mistake, not the server's: nothing logged as an error
 

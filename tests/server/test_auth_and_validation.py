@@ -24,6 +24,8 @@ ROUTES = [
     ("POST", "/v1/env/check", {"interactions": []}),
     ("POST", "/v1/chat/completions", {"model": JOB, "messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/v1/completions", {"model": JOB, "prompt": "hi"}),
+    ("GET", "/v1/usage", None),
+    ("GET", "/v1/audit", None),
 ]
 
 

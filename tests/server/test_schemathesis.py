@@ -35,7 +35,7 @@ def test_fuzz_every_operation_with_all_checks(start_server, tmp_path, helpers):
           f"operations, {summary['test_cases']['with_failures']} with failures")
     assert done.returncode == 0, done.stdout[-8000:]
     operations = sum(len(methods) for methods in live.app.openapi()["paths"].values())
-    assert summary["operations"]["tested"] == operations == 17
+    assert summary["operations"]["tested"] == operations == 19
     assert summary["test_cases"]["generated"] >= 500, summary["test_cases"]
     assert summary["test_cases"]["with_failures"] == 0 and summary["test_cases"]["errored"] == 0
     assert not summary["failures"] and not summary["errors"], (summary["failures"], summary["errors"])

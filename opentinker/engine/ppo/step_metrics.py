@@ -16,7 +16,7 @@ __all__ = ["pass_at_k", "rollout_metrics", "token_count", "validation_metrics"]
 
 
 def rollout_metrics(rollout: StepSamples, batch: TokenBatch) -> dict[str, float]:
-    """Reward and length statistics of a step's rollout."""
+    """Reward and length statistics of a step's rollout, and its token counts."""
     rewards = torch.tensor(rollout.rewards)
     lengths = batch.response_mask.sum(-1)
     truncated = sum(t.stop_reason == "max_response_length" for t in rollout.trajectories)
@@ -29,6 +29,10 @@ def rollout_metrics(rollout: StepSamples, batch: TokenBatch) -> dict[str, float]
         "response_length/max": float(lengths.max()),
         "prompt_length/mean": sum(len(p) for p in batch.prompt_ids) / len(batch),
         "response_length/clip_ratio": truncated / len(rollout.trajectories),
+        # Counts, not means: what usage metering bills a job's step for (server/job_metering.py).
+        "tokens/prompt": float(sum(len(p) for p in batch.prompt_ids)),
+        "tokens/generated": float(lengths.sum()),
+        "tokens/trained": float(token_count(batch)),
     }
 
 

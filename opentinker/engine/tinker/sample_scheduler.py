@@ -21,7 +21,8 @@ users are decoded together. Each round the scheduler:
    so rows of many users' adapters share lanes and no weights are swapped between them;
 3. admits waiting samples into the lane (prefilled on their own, then joined: a request starts
    at the next step instead of after whatever is running);
-4. runs one decode step of that lane and hands back the samples that ended.
+4. runs one decode step of that lane (first noting the top-k of rows whose call asked for it,
+   :mod:`.token_alternatives`) and hands back the samples that ended.
 
 Bounds: one lane holds at most ``max_rows`` rows and ``max_batch_tokens`` reserved tokens
 (prompt + max_tokens of each row: what its cache may grow to), which bounds the cost of one
@@ -47,6 +48,7 @@ from typing import Any, NamedTuple
 
 from opentinker.engine.rollout.base import Completion, SamplingParams
 from opentinker.engine.rollout.decode_batch import DecodeBatch
+from opentinker.engine.tinker.token_alternatives import SampleTopk, record_step_topk
 
 log = logging.getLogger("opentinker.engine.tinker")
 
@@ -79,6 +81,7 @@ class SampleWork:
     on_done: Callable[[Any], None]
     prompt_options: dict[str, Any] | None = None
     adapter: Any = None  # applied to this call's rows only (``apply_adapters``), on top of ``snapshot``
+    sample_topk: SampleTopk | None = None  # filled before each decode step of its rows, when asked for
     work_id: int = 0
     admitted: int = 0  # samples prefilled so far
     in_flight: int = 0  # of those, rows not finished
@@ -174,6 +177,7 @@ class SampleScheduler:
             return True
         shares = collections.Counter(self.works[work_id].user for work_id, _ in lane.tags)
         try:
+            record_step_topk(lane, self.works)
             finished = lane.step()
         except Exception as error:  # noqa: BLE001 - every waiter hears of it; serving goes on
             del self.lanes[key]

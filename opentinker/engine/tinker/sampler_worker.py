@@ -8,7 +8,8 @@ their turn comes). Each request's samples are rows of continuously batched decod
 (:mod:`.sample_scheduler`): they join a running batch at the next step, users are served in
 turn by the time their decoding took, and full weights are swapped between steps when another
 snapshot's user is due (the rows of the one swapped out wait, their caches kept). Prompt logprobs (and top-k) come from one forward pass
-of the prompt.
+of the prompt, as do the draws of ``prompt_alt_tokens_k``; the top-k of sampled tokens come from
+each decode step's logits (:mod:`.token_alternatives`).
 
 Snapshots are named by folder: every save writes a folder of its own (a name saved again,
 after a delete or with ``overwrite``, gets a new one), so a folder's content never changes and
@@ -39,6 +40,7 @@ from opentinker.engine.tinker.row_adapters import (
 )
 from opentinker.engine.tinker.datums import datum_pictures
 from opentinker.engine.tinker.sample_scheduler import SampleScheduler, SampleWork, SchedulerLimits
+from opentinker.engine.tinker.token_alternatives import SampleTopk, draws_generator, prompt_alternatives
 from opentinker.engine.vision import ImagePrompt, images_of, sequence_positions, vision_kwargs
 from opentinker.images import ImageLimits
 
@@ -97,8 +99,9 @@ class TinkerSampler:
     async def sample(self, request: dict[str, Any]) -> dict[str, Any]:
         """Serves one call: ``snapshot`` (a folder, or ``BASE``), ``prompt``, ``num_samples``,
         ``params`` (``SamplingParams`` fields; ``max_tokens`` None: up to the context's end, at
-        most ``DEFAULT_MAX_TOKENS``), ``prompt_logprobs``, ``topk_prompt``, ``last_n`` and
-        ``user`` (whose share of the batch it takes). Sample i uses seed+i when seeded."""
+        most ``DEFAULT_MAX_TOKENS``), ``prompt_logprobs``, ``topk_prompt``, ``last_n``,
+        ``topk_sample`` (top-k of each sampled token), ``alt_k`` (draws at each prompt position)
+        and ``user`` (whose share of the batch it takes). Sample i uses seed+i when seeded."""
         prompt = list(request["prompt"])
         files = request.get("pictures") or ()
         if files:
@@ -123,20 +126,26 @@ class TinkerSampler:
         def on_done(outcome: Any) -> None:  # called on the scheduler's thread
             loop.call_soon_threadsafe(_settle, done, outcome)
 
-        scored = {name: request.get(name) for name in ("prompt_logprobs", "topk_prompt", "last_n")}
+        scored = {name: request.get(name) for name in ("prompt_logprobs", "topk_prompt", "last_n", "alt_k")}
+        scored.update(temperature=base.temperature, seed=base.seed)
+        topk_sample = int(request.get("topk_sample") or 0)
+        sample_topk = SampleTopk(topk_sample, len(per_sample)) if topk_sample else None
         snapshot = request.get("snapshot") or BASE
         held = await self.adapters.acquire(snapshot) if snapshot != BASE and is_adapter_folder(snapshot) else None
         try:
             work = SampleWork(user=request.get("user"), snapshot=BASE if held is not None else snapshot,
                               prompt=prompt, params=per_sample, on_done=on_done,
-                              adapter=None if held is None else held.adapter,
-                              prompt_options=scored if scored["prompt_logprobs"] or scored["topk_prompt"] else None)
+                              adapter=None if held is None else held.adapter, sample_topk=sample_topk,
+                              prompt_options=scored if scored["prompt_logprobs"] or scored["topk_prompt"]
+                              or scored["alt_k"] else None)
             self.scheduler.submit(work)
             completions, scores = await done
         finally:
             if held is not None:
                 self.adapters.release(held)
         result: dict[str, Any] = {"sequences": [(c.token_ids, c.logprobs, c.finish_reason) for c in completions]}
+        if sample_topk is not None:
+            result["sample_topk"] = [sample_topk.matrices(i, len(c.token_ids)) for i, c in enumerate(completions)]
         result.update(scores or {})
         return result
 
@@ -158,7 +167,9 @@ class TinkerSampler:
     @torch.no_grad()
     def _prompt_scores(self, work: SampleWork) -> dict[str, Any]:
         """Logprob of each prompt token given the ones before it (NaN at 0 and before the last
-        ``last_n``) and, with ``topk_prompt`` K, the K most likely tokens at each position."""
+        ``last_n``), with ``topk_prompt`` K the K most likely tokens at each position and, with
+        ``alt_k`` K, K draws at each position from 1 on (at the request's ``temperature``, from
+        its ``seed``'s own stream or else the engine's shared one)."""
         options = work.prompt_options or {}
         prompt, last_n, topk = work.prompt, options.get("last_n"), int(options.get("topk_prompt") or 0)
         model = self.engine.model
@@ -186,6 +197,11 @@ class TinkerSampler:
             token_ids[:max(first, 1)] = 0
             top_logprobs[:max(first, 1)] = -99999.0
             out["topk_prompt"] = (token_ids.numpy(), top_logprobs.numpy())
+        alt_k = int(options.get("alt_k") or 0)
+        if alt_k:
+            seed = options.get("seed")
+            generator = self.engine.shared_generator if seed is None else draws_generator(seed)
+            out["prompt_alt"] = prompt_alternatives(logits, alt_k, float(options.get("temperature") or 0.0), generator)
         return out
 
 

@@ -13,10 +13,12 @@ writes, so the cost of pruning is spread).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,14 @@ class AuditEntry:
     key_prefix: str | None
     address: str | None
     details: dict[str, Any]
+
+    def seen_by(self, viewer: Any) -> AuditEntry:
+        """The entry as ``viewer`` (a User) may read it: an ``access_denied`` entry is about the
+        owner of what was asked for, but the key and address in it are the asker's, which only
+        an admin sees (the owner sees who asked, by name)."""
+        if viewer.is_admin or "asker" not in self.details:
+            return self
+        return dataclasses.replace(self, key_prefix=None, address=None)
 
     def as_json(self) -> dict[str, Any]:
         return {"id": self.id, "time": dt.datetime.fromtimestamp(self.at, dt.timezone.utc).isoformat(),
@@ -122,6 +132,28 @@ class AuditLog:
                     key_prefix=key_prefix_of(request, self.store), address=request.client.host if request.client else None,
                     **details)
 
+    def recorder(self, request: Any, user: Any) -> Callable[..., None]:
+        """``record(event, **details)`` about ``user`` for this request, to call later (when a
+        queued operation lands): the key prefix and address are read now."""
+        key_prefix = key_prefix_of(request, self.store)
+        address = request.client.host if request.client else None
+
+        def record(event: str, **details: Any) -> None:
+            self.record(event, user_id=user.id, user_name=user.name, key_prefix=key_prefix, address=address,
+                        **details)
+
+        return record
+
+    def record_denied(self, request: Any, asker: Any, owner_id: int, **details: Any) -> None:
+        """An ``access_denied`` entry for a request about another user's thing (answered 404,
+        like a missing one), kept about its OWNER, who sees who asked: the asker reads only
+        entries about themselves and must not learn from one that the thing exists."""
+        owner = self.store.user_by_id(owner_id)
+        self.record("access_denied", user_id=owner_id, user_name=owner.name if owner else None,
+                    key_prefix=key_prefix_of(request, self.store) if request is not None else None,
+                    address=request.client.host if request is not None and request.client else None,
+                    asker=asker.name, **details)
+
     def _prune(self, conn) -> None:
         conn.execute("DELETE FROM audit_log WHERE at < ?", (time.time() - self.retention_s,))
         conn.execute("DELETE FROM audit_log WHERE id <= (SELECT id FROM audit_log ORDER BY id DESC LIMIT 1 OFFSET ?)",
@@ -132,15 +164,25 @@ class AuditLog:
             self._prune(conn)
 
     def entries(self, *, user_id: int | None, day: dt.date | None = None, category: str = "all",
-                events: tuple[str, ...] = (), limit: int = 1000, before_id: int | None = None) -> list[AuditEntry]:
+                events: tuple[str, ...] = (), limit: int = 1000, before_id: int | None = None,
+                since: float | None = None, until: float | None = None,
+                user_name: str | None = None) -> list[AuditEntry]:
         """Entries about ``user_id`` (None: everyone's), newest first, at most ``limit``: of one
         UTC ``day`` if given, of a ``category`` (``CATEGORIES``) or these exact ``events``, older
-        than ``before_id`` (a page's last id) if given."""
+        than ``before_id`` (a page's last id) if given, within ``[since, until)`` (timestamps)
+        if given. ``user_name``: by the name recorded (an admin's filter: it also finds what a
+        user did that is nobody's entry, such as a refused request)."""
         sql, params = "SELECT * FROM audit_log WHERE 1", []
         if user_id is not None:
             sql, params = sql + " AND user_id = ?", params + [user_id]
+        if user_name is not None:
+            sql, params = sql + " AND user_name = ?", params + [user_name]
         if day is not None:
             sql, params = sql + " AND at >= ? AND at < ?", params + list(day_window(day))
+        if since is not None:
+            sql, params = sql + " AND at >= ?", params + [since]
+        if until is not None:
+            sql, params = sql + " AND at < ?", params + [until]
         prefixes = CATEGORIES.get(category, ())
         if prefixes:
             sql += " AND (" + " OR ".join("event LIKE ?" for _ in prefixes) + ")"

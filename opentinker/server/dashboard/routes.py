@@ -17,7 +17,7 @@ from __future__ import annotations
 import mimetypes
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,8 @@ from opentinker.server.auth import (
     refuse_key,
 )
 from opentinker.server.errors import ApiError, not_found
+from opentinker.json_value import MAX_INT
+from opentinker.server.dashboard import views
 from opentinker.server.store import User
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -119,3 +121,40 @@ async def who(request: Request, user: User = Depends(current_user)) -> dict:
         "key_prefix": session.key_prefix if session else None,
         "expires_at": session.expires_at if session else None,
     }
+
+
+# --- what the page shows besides the jobs: the user's own Tinker runs, sessions and
+# checkpoints, usage and audit entries (cookie or key, as the API; read only; paged) ---------
+
+_LIMIT = Query(50, ge=1, le=200)
+_OFFSET = Query(0, ge=0, le=MAX_INT)
+
+
+@router.get("/v1/dashboard/training-runs")
+async def training_runs(request: Request, limit: int = _LIMIT, offset: int = _OFFSET,
+                        user: User = Depends(current_user)) -> dict:
+    return views.training_runs(request.app.state.store, user.id, limit, offset)
+
+
+@router.get("/v1/dashboard/sessions")
+async def sessions(request: Request, limit: int = _LIMIT, offset: int = _OFFSET,
+                   user: User = Depends(current_user)) -> dict:
+    return views.sessions(request.app.state.store, user.id, limit, offset)
+
+
+@router.get("/v1/dashboard/checkpoints")
+async def checkpoints(request: Request, limit: int = _LIMIT, offset: int = _OFFSET,
+                      user: User = Depends(current_user)) -> dict:
+    return views.checkpoints(request.app.state.store, user.id, limit, offset)
+
+
+@router.get("/v1/dashboard/usage")
+async def usage(request: Request, user: User = Depends(current_user)) -> dict:
+    return views.usage_totals(request.app.state.store, user.id)
+
+
+@router.get("/v1/dashboard/audit")
+async def audit(request: Request, limit: int = _LIMIT, before_id: int | None = Query(None, ge=1, le=MAX_INT),
+                user: User = Depends(current_user)) -> dict:
+    """The user's newest audit entries (about them, whoever's key), a page before ``before_id``."""
+    return views.audit_entries(request.app.state.audit, user, limit, before_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -15,7 +15,7 @@ from opentinker.server.deps import checkpoint_folder, get_manager, get_settings,
 from opentinker.server.errors import AUTHENTICATED_ERRORS, ApiError, error_responses, not_found
 from opentinker.server.jobs import JobManager, JobNotActiveError, RunnerBusyError
 from opentinker.server.settings import ServerSettings
-from opentinker.server.store import JobRecord, Store
+from opentinker.server.store import JobRecord, Store, User
 
 router = APIRouter(
     prefix="/jobs", tags=["checkpoints"], dependencies=[Depends(current_user)],
@@ -59,8 +59,10 @@ async def request_checkpoint(
     responses={200: {"content": {"application/gzip": {}}}},
 )
 async def download_checkpoint(
+    request: Request,
     name: str = Path(description="a checkpoint name from the job's list", pattern=CHECKPOINT_NAME_PATTERN),
     job: JobRecord = Depends(owned_job),
+    user: User = Depends(current_user),
     store: Store = Depends(get_store),
     settings: ServerSettings = Depends(get_settings),
 ) -> StreamingResponse:
@@ -69,8 +71,10 @@ async def download_checkpoint(
     record = store.get_checkpoint(job.job_id, name)
     if record is None:
         raise not_found(f"checkpoint {name!r} of job {job.job_id}")
+    folder = checkpoint_folder(record, settings)
+    request.app.state.audit.record_request(request, "checkpoint_download", user, job_id=job.job_id, name=name)
     return StreamingResponse(
-        iter_tar_gz(checkpoint_folder(record, settings), name),
+        iter_tar_gz(folder, name),
         media_type="application/gzip",
         headers={"Content-Disposition": f'attachment; filename="{job.job_id}-{name}.tar.gz"'},
     )

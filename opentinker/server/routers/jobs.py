@@ -169,6 +169,8 @@ async def create_job(
         response.status_code = 200
         return JobCreated(job_id=job.job_id)
     manager.submit(job)
+    request.app.state.audit.record_request(request, "job_create", user, job_id=job.job_id, name=body.name,
+                                           mode=body.mode)
     return JobCreated(job_id=job.job_id)
 
 
@@ -193,11 +195,13 @@ async def get_job(request: Request, job: JobRecord = Depends(owned_job)) -> JobI
 async def cancel_job(
     request: Request,
     job: JobRecord = Depends(owned_job),
+    user: User = Depends(current_user),
     store: Store = Depends(get_store),
     manager: JobManager = Depends(get_manager),
 ) -> JobInfo:
     if not job.status.finished:  # a finished job stays as it is: cancelling is idempotent
         await manager.cancel(job.job_id)
+        request.app.state.audit.record_request(request, "job_cancel", user, job_id=job.job_id)
     updated = store.get_job(job.job_id)
     assert updated is not None
     return job_info(updated, request)
@@ -232,6 +236,7 @@ async def resume_job(
     if not await manager.resume(job.job_id, "resumed by the user"):
         raise ApiError(409, f"job {job.job_id} has no checkpoint to resume from (checkpoints come with "
                             "trainer.save_freq or POST /v1/jobs/{id}/checkpoints)")
+    request.app.state.audit.record_request(request, "job_resume", user, job_id=job.job_id)
     updated = store.get_job(job.job_id)
     assert updated is not None
     return job_info(updated, request)

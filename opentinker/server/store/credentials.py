@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentinker.server.store.records import KEY_USE_RESOLUTION_S, ApiKeyInfo, DashboardSession, User
@@ -13,6 +13,9 @@ from opentinker.server.store.records import KEY_USE_RESOLUTION_S, ApiKeyInfo, Da
 class CredentialTables:
     """Users, API keys and dashboard sessions: a part of :class:`~opentinker.server.store.Store`
     (its connection, lock and transactions)."""
+
+    # Called with (user, key prefix) at a key's first use in each UTC hour (the audit log's key_use).
+    on_key_use: Callable[[User, str], None] | None = None
 
     # users and keys -------------------------------------------------------------------
 
@@ -59,17 +62,20 @@ class CredentialTables:
     def user_for_key_hash(self, key_hash: str) -> User | None:
         """The owner of the (unrevoked) key of ``key_hash``; notes when the key was last used."""
         rows = self._query(
-            "SELECT u.id, u.name, u.created_at, u.is_admin, k.id AS key_id, k.last_used_at FROM api_keys k "
+            "SELECT u.id, u.name, u.created_at, u.is_admin, k.id AS key_id, k.prefix, k.last_used_at FROM api_keys k "
             "JOIN users u ON u.id = k.user_id WHERE k.key_hash = ? AND k.revoked = 0",
             (key_hash,),
         )
         if not rows:
             return None
-        row, now = rows[0], time.time()
-        # A write at most once a minute per key, not one per request.
-        if row["last_used_at"] is None or now - row["last_used_at"] >= KEY_USE_RESOLUTION_S:
+        row, now, last = rows[0], time.time(), rows[0]["last_used_at"]
+        new_hour = last is None or int(last // 3600) != int(now // 3600)
+        # A write at most once a minute per key (and at a new hour), not one per request.
+        if new_hour or now - last >= KEY_USE_RESOLUTION_S:
             with self._transaction() as conn:
                 conn.execute("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, row["key_id"]))
+        if new_hour and self.on_key_use is not None:
+            self.on_key_use(_user(row), row["prefix"])
         return _user(row)
 
     def list_api_keys(self, user: User | None = None, key_hash: str | None = None) -> list[ApiKeyInfo]:

@@ -7,6 +7,10 @@ once), always under the SDK's 45 s read timeout. A training request re-sent with
 ``(model_id, seq_id)`` gets the original future back, whatever its idempotency key. A future
 that fails for the server's reasons (category ``server``) carries an error id in its message;
 the server's log has the failure, and its trace, under that id.
+
+Every future of a session is also written to its session's trace (:mod:`.traces`), in the
+same transactions: submitted, started (:meth:`FutureTable.started`, called where a request is
+handed to its worker) and finished.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from opentinker.server.errors import new_error_id
 from opentinker.server.store import Store
+from opentinker.server.tinker.traces import TraceLog, session_of
 
 log = logging.getLogger("opentinker.server.tinker")
 
@@ -52,8 +57,9 @@ class FutureRow:
 
 
 class FutureTable:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, traces: TraceLog | None = None):
         self.store = store
+        self.traces = traces
         self._events: dict[str, asyncio.Event] = {}
 
     def existing(self, model_id: str | None, seq_id: int | None) -> FutureRow | None:
@@ -72,13 +78,18 @@ class FutureTable:
         return self.add(user_id, kind, model_id, seq_id, extra, request_id), True
 
     def add(self, user_id: int, kind: str, model_id: str | None = None, seq_id: int | None = None,
-            extra: dict[str, Any] | None = None, request_id: str | None = None) -> FutureRow:
-        """A new pending future; the caller knows ``(model_id, seq_id)`` has none yet (:meth:`existing`)."""
+            extra: dict[str, Any] | None = None, request_id: str | None = None, *, session_id: str | None = None,
+            trace_args: dict[str, Any] | None = None) -> FutureRow:
+        """A new pending future; the caller knows ``(model_id, seq_id)`` has none yet (:meth:`existing`).
+        Traced in its session's trace (``session_id``, else the model's) with ``trace_args``."""
         request_id = request_id or uuid.uuid4().hex
+        now, session_id = time.time(), session_id or session_of(model_id)
         with self.store.transaction() as conn:
             conn.execute("INSERT INTO tinker_futures (request_id, user_id, model_id, seq_id, kind, state, extra_json, "
                          "created_at) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
-                         (request_id, user_id, model_id, seq_id, kind, json.dumps(extra or {}), time.time()))
+                         (request_id, user_id, model_id, seq_id, kind, json.dumps(extra or {}), now))
+            if self.traces is not None and session_id is not None:
+                self.traces.submitted(conn, request_id, session_id, user_id, kind, model_id, now, trace_args)
         self._events[request_id] = asyncio.Event()
         return self.get(request_id)
 
@@ -109,12 +120,20 @@ class FutureTable:
             message = f"{message} (error id {error_id})"
         self._finish(request_id, "failed", error=message, category=category)
 
+    def started(self, request_id: str) -> None:
+        """The request was handed to its worker or sampler (its trace's start)."""
+        if self.traces is not None:
+            self.traces.started(request_id)
+
     def _finish(self, request_id: str, state: str, **values: Any) -> None:
+        now = time.time()
         with self.store.transaction() as conn:
             conn.execute("UPDATE tinker_futures SET state = ?, content_type = ?, result = ?, error = ?, category = ?, "
                          "finished_at = ? WHERE request_id = ? AND state = 'pending'",
                          (state, values.get("content_type"), values.get("result"), values.get("error"),
-                          values.get("category"), time.time(), request_id))
+                          values.get("category"), now, request_id))
+            if self.traces is not None:
+                self.traces.finished(conn, request_id, state, now)
         event = self._events.pop(request_id, None)
         if event is not None:
             event.set()
@@ -138,6 +157,8 @@ class FutureTable:
             cur = conn.execute("UPDATE tinker_futures SET state = 'failed', error = ?, category = 'server', "
                                "finished_at = ? WHERE state = 'pending'",
                                (f"{message} (error id {error_id})", time.time()))
+            if self.traces is not None:
+                self.traces.fail_pending(conn, time.time())
         if cur.rowcount:
             log.warning("%d tinker request(s) of the previous process failed: error id %s: %s", cur.rowcount,
                         error_id, message)

@@ -175,6 +175,7 @@ class TinkerHost:
                 await asyncio.wait([running])
 
     async def _run(self, slot: ModelSlot, op: QueuedOp) -> None:
+        self.futures.started(op.request_id)  # handed to the worker: its trace's start
         try:
             payload, content_type = await op.run(slot.actor)
         except UserError as error:

@@ -21,6 +21,7 @@ PROTOBUF = "application/x-protobuf"
 _DESCRIPTIONS = {
     400: "refused as asked (the message says why and what to change); the SDK does not retry it",
     401: "missing, invalid or revoked API key (X-API-Key: tml-<key>)",
+    403: "another user's published checkpoint: you may read it, not change or delete it",
     404: "no such session, model, future, sampler or checkpoint among the caller's own",
     410: "the session has ended (the SDK's heartbeat stops)",
     413: "the request body is larger than the server accepts",

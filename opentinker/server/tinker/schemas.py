@@ -23,6 +23,10 @@ MAX_TAGS = 64
 MAX_TAG_CHARS = 256
 MAX_METADATA_BYTES = 4096  # user_metadata, as JSON
 MAX_TTL_S = 100 * 365 * 86400
+#: topk_sample_logprobs and prompt_alt_tokens_k at most (vLLM's and OpenAI's bound on top logprobs).
+MAX_TOKEN_ALTERNATIVES = 20
+#: num_samples x max_tokens x topk_sample_logprobs of one call at most: 32 MiB of top-k in its result.
+MAX_TOPK_SAMPLE_CELLS = 2**22
 
 
 class _Body(BaseModel):
@@ -178,9 +182,9 @@ class SampleRequest(_Body):
     sampling_params: SamplingParams
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(0, ge=0, le=1024)
-    topk_sample_logprobs: int = 0
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOKEN_ALTERNATIVES)
     target_prompt_logprobs: Any = None
-    prompt_alt_tokens_k: int = 0
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_TOKEN_ALTERNATIVES)
     prompt_logprobs_last_n: int | None = Field(None, ge=1)
     record_stability_info: bool = False
 

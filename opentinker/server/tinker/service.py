@@ -6,6 +6,8 @@ run id is the model id) and lives in ``<data_dir>/tinker/<run>/<weights|sampler_
 <name>@<write id>``: every save writes a folder of its own, never changed afterwards, so a
 name saved again (after a delete, or with ``overwrite``) is new content at a new folder and
 the sampler, which keeps loaded snapshots by folder, cannot serve the old weights for it.
+Because folders never change, a copy (``copy_weights``) is a row naming its source's folder;
+a folder is deleted when the last row naming it goes.
 Ephemeral sampler snapshots (what ``save_weights_and_get_sampling_client`` makes every RL step)
 are kept for a model's newest ``keep_ephemeral`` and for as long as its session lives; named
 checkpoints until deleted or past their ``ttl_seconds``. A user's checkpoints are bounded in
@@ -37,6 +39,7 @@ from opentinker.server.store import Store
 from opentinker.server.tinker.checkpoint_quota import CheckpointQuota, QuotaExceeded, Usage
 from opentinker.server.tinker.completions import CompletionFeeds
 from opentinker.server.tinker.futures import FutureTable
+from opentinker.server.tinker.traces import TraceLog
 from opentinker.server.tinker.host import HostSettings, TinkerHost
 from opentinker.server.tinker.workers import UserError
 from opentinker.server.tinker.model_facts import (
@@ -46,11 +49,14 @@ from opentinker.server.tinker.model_facts import (
     estimated_model_bytes,
 )
 from opentinker.server.tinker.sample_budget import SampleBudget
+from opentinker.server.tinker.metering import stored_bytes
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, TinkerState
 
 log = logging.getLogger("opentinker.server.tinker")
 
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+# Path segment -> the SDK's checkpoint_type. external_weights: save_weights_external's, in the
+# operator's external folder (TinkerSettings.external_weights_dir), downloaded by signed links.
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 @dataclass
@@ -103,9 +109,18 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     """``tinker://<run>/<kind>/<name>`` -> (run, kind, name); UserError naming the format."""
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not all(parts):
-        raise UserError(f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name> or "
-                        "tinker://<run id>/sampler_weights/<name>")
+        raise UserError(f"{path!r} is not a checkpoint path: expected tinker://<run id>/<kind>/<name>, <kind> one "
+                        "of weights, sampler_weights, external_weights")
     return parts[0], parts[1], parts[2]
+
+
+class NotYours(LookupError):
+    """Another user's checkpoint the caller may not have: reads as missing (404, the same
+    message), and the route records the attempt for the owner (``row``)."""
+
+    def __init__(self, path: str, row: CheckpointRow):
+        super().__init__(f"checkpoint {path!r}")
+        self.row = row
 
 
 class ServerFull(Exception):
@@ -117,9 +132,11 @@ class TinkerService:
                  audit: AuditLog | None = None, usage: UsageMeter | None = None):
         self.state = TinkerState(store, settings.keep_ended_sessions, settings.max_samplers_per_session,
                                  settings.max_samplers_per_user)
-        self.futures = FutureTable(store)
+        self.traces = TraceLog(store)  # each session's requests with their timings (export_session_trace)
+        self.futures = FutureTable(store, self.traces)
         self.host = TinkerHost(self.state, self.futures, settings.host)
         self.root = Path(data_dir) / "tinker"
+        self.external_root = Path(settings.external_weights_dir or Path(data_dir) / "external")
         self.policy = policy
         self.settings = settings
         self._housekeeping: asyncio.Task | None = None
@@ -269,8 +286,13 @@ class TinkerService:
 
     # -- checkpoints -----------------------------------------------------------------
     def new_folder(self, run_id: str, kind: str, name: str) -> Path:
-        """A folder for one write of checkpoint ``name`` (``@`` never occurs in a name)."""
-        return self.root / run_id.replace(":", "_") / kind / f"{name}@{uuid.uuid4().hex[:12]}"
+        """A folder for one write of checkpoint ``name`` (``@`` never occurs in a name):
+        external weights go to the operator's external folder, under the owner's user id."""
+        leaf = f"{name}@{uuid.uuid4().hex[:12]}"
+        if kind == "external_weights":
+            owner = self.state.model(run_id).user_id
+            return self.external_root / str(owner) / run_id.replace(":", "_") / leaf
+        return self.root / run_id.replace(":", "_") / kind / leaf
 
     def check_ttl(self, ttl_s: int | None) -> None:
         longest = self.settings.max_checkpoint_ttl_s
@@ -290,7 +312,7 @@ class TinkerService:
             facts = self.facts.get(self.served_model(model.base_model))
         except UserError:  # no longer served
             return 0
-        return estimated_checkpoint_bytes(facts, model.lora_rank, kind == "sampler_weights") or 0
+        return estimated_checkpoint_bytes(facts, model.lora_rank, kind != "weights") or 0
 
     def freed_by(self, model: ModelRow, replaced: CheckpointRow | None, ephemeral: bool) -> list[CheckpointRow]:
         """The checkpoints a save of ``model`` replaces: the one of its name (``overwrite``), or
@@ -338,15 +360,33 @@ class TinkerService:
                 self._remove_folder(old)
         return row
 
-    def owned_checkpoint(self, path: str, user_id: int, kind: str | None = None) -> CheckpointRow:
+    def _any_checkpoint(self, path: str, kind: str | None) -> CheckpointRow:
+        """The checkpoint at ``path``, whoever's (LookupError if none; UserError for a bad path
+        or another ``kind`` than asked)."""
         run, found_kind, name = parse_tinker_path(path)
         if kind is not None and found_kind != kind:
-            wanted = "save_state (tinker://…/weights/…)" if kind == "weights" else \
-                "save_weights_for_sampler (tinker://…/sampler_weights/…)"
+            wanted = {"weights": "save_state (tinker://…/weights/…)",
+                      "sampler_weights": "save_weights_for_sampler (tinker://…/sampler_weights/…)",
+                      "external_weights": "save_weights_external (tinker://…/external_weights/…)"}[kind]
             raise UserError(f"{path!r}: this needs a checkpoint made by {wanted}")
-        row = self.state.checkpoint(run, found_kind, name, user_id)
+        row = self.state.checkpoint(run, found_kind, name, None)
         if row is None or not Path(row.folder).exists():
             raise LookupError(f"checkpoint {path!r}")
+        return row
+
+    def owned_checkpoint(self, path: str, user_id: int, kind: str | None = None) -> CheckpointRow:
+        """The caller's own checkpoint (to change or delete it); :class:`NotYours` if another user's."""
+        row = self._any_checkpoint(path, kind)
+        if row.user_id != user_id:
+            raise NotYours(path, row)
+        return row
+
+    def readable_checkpoint(self, path: str, user_id: int, kind: str | None = None) -> CheckpointRow:
+        """The caller's checkpoint or a published one (to load, sample, copy or read it);
+        :class:`NotYours` if another user's unpublished one."""
+        row = self._any_checkpoint(path, kind)
+        if row.user_id != user_id and not row.public:
+            raise NotYours(path, row)
         return row
 
     def delete_checkpoint(self, row: CheckpointRow) -> None:
@@ -354,7 +394,10 @@ class TinkerService:
         self._remove_folder(row)
 
     def _remove_folder(self, row: CheckpointRow) -> None:
-        """A checkpoint's folder goes, and its adapter leaves the samplers' caches."""
+        """A checkpoint's folder goes once no row names it (a copy shares its source's), and its
+        adapter leaves the samplers' caches."""
+        if self.state.folder_in_use(row.folder):
+            return
         shutil.rmtree(row.folder, ignore_errors=True)
         if row.kind == "sampler_weights":
             for actor in self.host.started_samplers().values():
@@ -385,7 +428,9 @@ class TinkerService:
                 for row in self.state.expired_checkpoints():
                     self.delete_checkpoint(row)
                 self.futures.forget_older_than(self.settings.future_ttl_s)
+                self.traces.forget_orphans()  # forgotten sessions' traces (at most every few minutes)
                 self.completions.forget_idle(self.settings.future_ttl_s)
+                self.usage.accrue_storage(stored_bytes(self.state.store))  # checkpoint GB-hours, Tinker's and jobs'
             except Exception:  # housekeeping must outlive one bad pass
                 log.exception("tinker housekeeping failed")
 

@@ -2,7 +2,9 @@
 futures, checkpoints and sampling sessions, each row owned by one user.
 
 Lookups always filter by the caller's user id, so another user's session, model, future or
-checkpoint reads exactly like a missing one.
+checkpoint reads exactly like a missing one; the exception is a checkpoint's lookup by path,
+which finds anyone's, so that ``TinkerService.readable_checkpoint`` can let others read one
+its owner published (and ``owned_checkpoint`` keep the changes to the owner).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ CREATE TABLE IF NOT EXISTS tinker_sessions (
     metadata_json TEXT NOT NULL,
     state TEXT NOT NULL,  -- active | finished | expired
     created_at REAL NOT NULL,
-    last_seen REAL NOT NULL
+    last_seen REAL NOT NULL,
+    project_id TEXT NOT NULL DEFAULT 'default',  -- a name in the user's own namespace
+    display_name TEXT,
+    finish_reason TEXT  -- what the client said at finish: success | errored | interrupted
 );
 CREATE TABLE IF NOT EXISTS tinker_models (
     model_id TEXT PRIMARY KEY,  -- "<session_id>:train:<model_seq_id>", also its training run id
@@ -55,7 +60,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS tinker_futures_by_seq ON tinker_futures(model_
     WHERE seq_id IS NOT NULL;
 CREATE TABLE IF NOT EXISTS tinker_checkpoints (
     run_id TEXT NOT NULL,
-    kind TEXT NOT NULL,  -- weights | sampler_weights
+    kind TEXT NOT NULL,  -- weights | sampler_weights | external_weights
     name TEXT NOT NULL,
     user_id INTEGER NOT NULL REFERENCES users(id),
     folder TEXT NOT NULL,
@@ -64,6 +69,7 @@ CREATE TABLE IF NOT EXISTS tinker_checkpoints (
     metadata_json TEXT,
     created_at REAL NOT NULL,
     expires_at REAL,
+    public INTEGER NOT NULL DEFAULT 0,  -- published: readable (never changeable) by every user
     PRIMARY KEY (run_id, kind, name)
 );
 CREATE TABLE IF NOT EXISTS tinker_samplers (
@@ -112,6 +118,7 @@ class CheckpointRow:
     metadata: dict[str, str] | None
     created_at: float
     expires_at: float | None
+    public: bool = False  # published by its owner: readable by every user, changeable by the owner only
 
     @property
     def tinker_path(self) -> str:
@@ -134,6 +141,12 @@ def unembed_adapted(spec: dict[str, Any]) -> bool:
     return bool(spec.get("train_unembed", True)) and bool(spec.get("adapts_unembed", False))
 
 
+DEFAULT_PROJECT = "default"  # a session created without a project_id is in it
+# Session columns added after the first release, with their SQL type (old stores get them at open).
+_ADDED_SESSION_COLUMNS = {"project_id": f"TEXT NOT NULL DEFAULT '{DEFAULT_PROJECT}'", "display_name": "TEXT",
+                          "finish_reason": "TEXT"}
+
+
 def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
@@ -154,13 +167,27 @@ class TinkerState:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            session_columns = {row["name"] for row in conn.execute("PRAGMA table_info(tinker_sessions)")}
+            for column, sql_type in _ADDED_SESSION_COLUMNS.items():
+                if column not in session_columns:  # a store made before the column existed
+                    conn.execute(f"ALTER TABLE tinker_sessions ADD COLUMN {column} {sql_type}")
+            conn.execute("CREATE INDEX IF NOT EXISTS tinker_sessions_by_project "
+                         "ON tinker_sessions(user_id, project_id)")
+            checkpoint_columns = {row["name"] for row in conn.execute("PRAGMA table_info(tinker_checkpoints)")}
+            if "public" not in checkpoint_columns:  # a store made before checkpoints could be published
+                conn.execute("ALTER TABLE tinker_checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0")
+            # A copy (copy_weights) shares its source's folder: a folder goes when no row names it.
+            conn.execute("CREATE INDEX IF NOT EXISTS tinker_checkpoints_by_folder ON tinker_checkpoints(folder)")
 
     # sessions -------------------------------------------------------------------------
-    def create_session(self, session_id: str, user_id: int, tags: list[str], metadata: dict[str, Any]) -> None:
-        now = time.time()
+    def create_session(self, session_id: str, user_id: int, tags: list[str], metadata: dict[str, Any],
+                       project_id: str = DEFAULT_PROJECT, display_name: str | None = None) -> None:
+        now = round(time.time(), 6)  # microseconds: what a search cursor carries
         with self.store.transaction() as conn:
-            conn.execute("INSERT INTO tinker_sessions VALUES (?, ?, ?, ?, 'active', ?, ?)",
-                         (session_id, user_id, json.dumps(tags), json.dumps(metadata), now, now))
+            conn.execute("INSERT INTO tinker_sessions (session_id, user_id, tags_json, metadata_json, state, "
+                         "created_at, last_seen, project_id, display_name) VALUES (?, ?, ?, ?, 'active', ?, ?, ?, ?)",
+                         (session_id, user_id, json.dumps(tags), json.dumps(metadata), now, now, project_id,
+                          display_name))
             forgotten = [row[0] for row in conn.execute(
                 "SELECT session_id FROM tinker_sessions WHERE user_id = ? AND state != 'active' "
                 "ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?", (user_id, self.keep_ended_sessions))]
@@ -189,12 +216,24 @@ class TinkerState:
             conn.execute("UPDATE tinker_sessions SET state = ? WHERE session_id = ? AND state = 'active'",
                          (state, session_id))
 
-    def sessions(self, user_id: int, limit: int, offset: int) -> tuple[list[str], int]:
-        """A page of the user's session ids, newest first, and how many there are."""
-        rows = self.store.query("SELECT session_id FROM tinker_sessions WHERE user_id = ? "
-                                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?", (user_id, limit, offset))
-        total = self.store.query("SELECT COUNT(*) AS n FROM tinker_sessions WHERE user_id = ?", (user_id,))
+    def sessions(self, user_id: int | None, limit: int, offset: int) -> tuple[list[str], int]:
+        """A page of the user's session ids (None: every user's), newest first, and how many there are."""
+        where, params = ("", ()) if user_id is None else (" WHERE user_id = ?", (user_id,))
+        rows = self.store.query(f"SELECT session_id FROM tinker_sessions{where} "
+                                "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?", params + (limit, offset))
+        total = self.store.query(f"SELECT COUNT(*) AS n FROM tinker_sessions{where}", params)
         return [row["session_id"] for row in rows], int(total[0]["n"])
+
+    def session_owner(self, session_id: str) -> int | None:
+        """Whose session it is, whoever asks (to tell a missing session from another user's)."""
+        rows = self.store.query("SELECT user_id FROM tinker_sessions WHERE session_id = ?", (session_id,))
+        return int(rows[0]["user_id"]) if rows else None
+
+    def note_finish_reason(self, session_id: str, reason: str) -> None:
+        """The client's reason, kept while the session is active (the first finish wins)."""
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_sessions SET finish_reason = ? WHERE session_id = ? AND state = 'active' "
+                         "AND finish_reason IS NULL", (reason, session_id))
 
     def session_samplers(self, session_id: str) -> list[str]:
         rows = self.store.query("SELECT sampler_id FROM tinker_samplers WHERE session_id = ? ORDER BY created_at",
@@ -253,15 +292,42 @@ class TinkerState:
     # checkpoints ----------------------------------------------------------------------
     def add_checkpoint(self, row: CheckpointRow) -> None:
         with self.store.transaction() as conn:
-            conn.execute("INSERT OR REPLACE INTO tinker_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            conn.execute("INSERT OR REPLACE INTO tinker_checkpoints (run_id, kind, name, user_id, folder, size_bytes, "
+                         "ephemeral, metadata_json, created_at, expires_at, public) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (row.run_id, row.kind, row.name, row.user_id, row.folder, row.size_bytes,
                           int(row.ephemeral), None if row.metadata is None else json.dumps(row.metadata),
-                          row.created_at, row.expires_at))
+                          row.created_at, row.expires_at, int(row.public)))
 
-    def checkpoint(self, run_id: str, kind: str, name: str, user_id: int) -> CheckpointRow | None:
-        rows = self.store.query("SELECT * FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ? "
-                                "AND user_id = ?", (run_id, kind, name, user_id))
+    def checkpoint(self, run_id: str, kind: str, name: str, user_id: int | None) -> CheckpointRow | None:
+        """The user's checkpoint (``user_id`` None: whoever's, for the published-checkpoint and
+        signed-link lookups, which decide themselves who may have it)."""
+        sql = "SELECT * FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ?"
+        params: tuple = (run_id, kind, name)
+        if user_id is not None:
+            sql, params = sql + " AND user_id = ?", params + (user_id,)
+        rows = self.store.query(sql, params)
         return self._checkpoint(rows[0]) if rows else None
+
+    def public_checkpoints(self, run_id: str) -> list[CheckpointRow]:
+        """A run's published checkpoints (what another user sees of it)."""
+        rows = self.store.query("SELECT * FROM tinker_checkpoints WHERE run_id = ? AND public = 1 ORDER BY created_at",
+                                (run_id,))
+        return [self._checkpoint(row) for row in rows]
+
+    def set_public(self, row: CheckpointRow, public: bool) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_checkpoints SET public = ? WHERE run_id = ? AND kind = ? AND name = ?",
+                         (int(public), row.run_id, row.kind, row.name))
+
+    def set_expiry(self, row: CheckpointRow, expires_at: float | None) -> None:
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE tinker_checkpoints SET expires_at = ? WHERE run_id = ? AND kind = ? AND name = ?",
+                         (expires_at, row.run_id, row.kind, row.name))
+
+    def folder_in_use(self, folder: str) -> bool:
+        """Whether a checkpoint row still names ``folder`` (a copy shares its source's)."""
+        return bool(self.store.query("SELECT 1 FROM tinker_checkpoints WHERE folder = ? LIMIT 1", (folder,)))
 
     def checkpoints(self, user_id: int, run_id: str | None = None, ephemeral: bool = False) -> list[CheckpointRow]:
         sql = "SELECT * FROM tinker_checkpoints WHERE user_id = ? AND ephemeral = ?"
@@ -317,7 +383,7 @@ class TinkerState:
     def _checkpoint(row) -> CheckpointRow:
         return CheckpointRow(row["run_id"], row["kind"], row["name"], row["user_id"], row["folder"],
                              row["size_bytes"], bool(row["ephemeral"]), _loads(row["metadata_json"]),
-                             row["created_at"], row["expires_at"])
+                             row["created_at"], row["expires_at"], bool(row["public"]))
 
     # samplers -------------------------------------------------------------------------
     def add_sampler(self, row: SamplerRow) -> None:

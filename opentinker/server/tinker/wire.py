@@ -288,6 +288,7 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" | "length"
+    topk: tuple[np.ndarray, np.ndarray] | None = None  # [len(tokens), k] ids and logprobs, when asked for
 
 
 def _topk(ids: np.ndarray, logprobs: np.ndarray) -> pb.TopkLogprobs:
@@ -296,19 +297,32 @@ def _topk(ids: np.ndarray, logprobs: np.ndarray) -> pb.TopkLogprobs:
                            logprobs=np.ascontiguousarray(logprobs, dtype=np.float32).tobytes(), k=k, length=length)
 
 
+def _dense(array: np.ndarray, dtype: np.dtype, proto_dtype: int) -> pb.Tensor:
+    array = np.ascontiguousarray(array, dtype=dtype)
+    return pb.Tensor(dense=array.tobytes(), dtype=proto_dtype, shape=list(array.shape))
+
+
 def encode_sample_response(sequences: Sequence[SampledSequence], prompt_logprobs: Sequence[float] | None = None,
-                           topk_prompt: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
-    """A ``SampleResponse``: each sequence's tokens and their logprobs; the prompt's logprobs
-    (NaN where not scored) and top-k prompt logprobs when asked for."""
+                           topk_prompt: tuple[np.ndarray, np.ndarray] | None = None,
+                           prompt_alt: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+    """A ``SampleResponse``: each sequence's tokens and their logprobs (and their top-k); the
+    prompt's logprobs (NaN where not scored), top-k prompt logprobs and the prompt's alternative
+    tokens ([len(prompt) - 1, k] ids and logprobs) when asked for."""
     message = pb.SampleResponse()
     for sequence in sequences:
-        message.sequences.add(
+        added = message.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if sequence.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(sequence.tokens, dtype=np.int32).tobytes(),
             logprobs=np.asarray(sequence.logprobs, dtype=np.float32).tobytes(),
         )
+        if sequence.topk is not None:
+            added.topk_sampled_logprobs.CopyFrom(_topk(*sequence.topk))
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     if topk_prompt is not None:
         message.topk_prompt_logprobs.CopyFrom(_topk(*topk_prompt))
+    if prompt_alt is not None:
+        ids, logprobs = prompt_alt
+        message.prompt_alt_tokens.tokens.CopyFrom(_dense(ids, np.dtype(np.int64), pb.DTYPE_INT64))
+        message.prompt_alt_tokens.logprobs.CopyFrom(_dense(logprobs, np.dtype(np.float32), pb.DTYPE_FLOAT32))
     return message.SerializeToString()

@@ -133,6 +133,7 @@
     dash.user = null;
     dash.generation += 1;
     $("dashboard").hidden = true;
+    if (window.opentinkerAccount) window.opentinkerAccount.hide();
     $("who").hidden = true;
     $("logout").hidden = true;
     $("login").hidden = false;
@@ -147,6 +148,7 @@
     $("logout").hidden = false;
     $("login").hidden = true;
     $("dashboard").hidden = false;
+    if (window.opentinkerAccount) window.opentinkerAccount.show(); // usage, Tinker runs, audit (account.js)
     refreshJobs();
     const selected = new URLSearchParams(location.hash.slice(1)).get("job");
     if (selected) selectJob(selected);

@@ -19,6 +19,10 @@ from starlette.routing import BaseRoute
 import opentinker
 from opentinker.server.tinker import openapi
 from opentinker.server.tinker.routes import futures, runs, sampling, sessions, training, unsupported
+from opentinker.server.tinker.routes import projects
+from opentinker.server.tinker.routes import usage
+from opentinker.server.tinker.routes import downloads, sharing
+from opentinker.server.tinker.routes import audit, traces
 from opentinker.server.tinker.routes.common import PREFIX, tinker_router
 
 router = APIRouter()
@@ -36,7 +40,12 @@ async def openapi_document(request: Request) -> JSONResponse:
 openapi_document.undocumented = True
 
 # In the order the routes were declared in one module before (unsupported last).
-_PARTS = (_document, sessions.router, training.router, sampling.router, futures.router, runs.router,
+# projects before sessions: its POST /sessions/search must be matched before GET /sessions/{session_id}
+# (else OPTIONS /sessions/search answers 'Allow: GET').
+_PARTS = (_document, projects.router, sessions.router, training.router, sampling.router, futures.router, runs.router,
+          usage.router,
+          sharing.router, downloads.router,
+          audit.router, traces.router,
           unsupported.router)
 for _part in _PARTS:
     router.include_router(_part)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import Depends, Path
+from fastapi import Depends, Path, Request
 
 from opentinker.images import ImageError, data_url_payload
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
-from opentinker.server.tinker import schemas, wire
+from opentinker.server.tinker import metering, schemas, wire
 from opentinker.server.tinker.openapi import errors
 from opentinker.engine.tinker import DEFAULT_MAX_TOKENS
 from opentinker.server.tinker.futures import PROTOBUF
@@ -20,7 +20,7 @@ from opentinker.server.tinker.service import TinkerService
 from opentinker.server.tinker.state import SamplerRow
 from opentinker.server.tinker.routes.common import (
     active_session,
-    owned_checkpoint,
+    readable_checkpoint,
     service,
     tinker_router,
     tinker_user,
@@ -30,13 +30,15 @@ from opentinker.server.tinker.routes.common import (
 router = tinker_router()
 
 
-def _sampler_source(svc: TinkerService, user: User, base_model: str | None, model_path: str | None) -> tuple[str, str | None]:
-    """``(base model name, tinker path or None)`` of what a sampler samples from."""
+def _sampler_source(svc: TinkerService, user: User, base_model: str | None, model_path: str | None,
+                    request: Request) -> tuple[str, str | None]:
+    """``(base model name, tinker path or None)`` of what a sampler samples from (the caller's
+    checkpoint or a published one)."""
     if (base_model is None) == (model_path is None):
         raise user_error("give exactly one of base_model and model_path")
     if model_path is not None:
-        checkpoint = owned_checkpoint(svc, model_path, user, "sampler_weights")
-        source = svc.state.model(checkpoint.run_id, user.id)
+        checkpoint = readable_checkpoint(svc, model_path, user, "sampler_weights", request, loads=True)
+        source = svc.state.model(checkpoint.run_id)
         return source.base_model, model_path
     try:
         return svc.served_model(base_model).name, None
@@ -45,10 +47,11 @@ def _sampler_source(svc: TinkerService, user: User, base_model: str | None, mode
 
 
 @router.post("/create_sampling_session", responses=errors(400, 404))
-async def create_sampling_session(body: schemas.CreateSamplingSession, user: User = Depends(tinker_user),
+async def create_sampling_session(body: schemas.CreateSamplingSession, request: Request,
+                                  user: User = Depends(tinker_user),
                                   svc: TinkerService = Depends(service)) -> dict[str, Any]:
     active_session(svc, body.session_id, user)
-    base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path)
+    base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path, request)
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
     svc.state.add_sampler(SamplerRow(sampler_id, user.id, body.session_id, base_model, model_path))
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
@@ -65,8 +68,6 @@ async def get_sampler(sampler_id: str = Path(max_length=256), user: User = Depen
 
 def _refuse_sample_options(body: schemas.SampleRequest) -> None:
     refused = {
-        "topk_sample_logprobs": body.topk_sample_logprobs > 0,
-        "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
         "target_prompt_logprobs": body.target_prompt_logprobs is not None,
     }
     # record_stability_info is accepted: the SDK only needs each sequence's id (the future's
@@ -124,17 +125,19 @@ def _engine_params(params: schemas.SamplingParams) -> dict[str, Any]:
 
 
 @router.post("/asample", responses=errors(400, 404, 429))
-async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user),
+async def asample(body: schemas.SampleRequest, request: Request, user: User = Depends(tinker_user),
                   svc: TinkerService = Depends(service)) -> dict[str, Any]:
     _refuse_sample_options(body)
+    session_id = None  # whom the usage is attributed to: the sampler's session
     if body.sampling_session_id is not None:
         sampler = svc.state.sampler(body.sampling_session_id, user.id)
         if sampler is None:
             raise not_found(f"sampler {body.sampling_session_id!r}")
-        base_model, model_path = sampler.base_model, sampler.model_path
+        base_model, model_path, session_id = sampler.base_model, sampler.model_path, sampler.session_id
     else:
-        base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path)
-    snapshot = owned_checkpoint(svc, model_path, user, "sampler_weights").folder if model_path else ""
+        base_model, model_path = _sampler_source(svc, user, body.base_model, body.model_path, request)
+    # Again for a sampler's path: its checkpoint may have been deleted or unpublished since.
+    snapshot = readable_checkpoint(svc, model_path, user, "sampler_weights", request).folder if model_path else ""
     prompt, pictures = _prompt(svc, base_model, body.prompt.chunks)
     if not prompt or min(prompt) < 0:
         raise user_error("asample: the prompt needs at least one token, and token ids are not negative")
@@ -148,6 +151,11 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
     params = _engine_params(body.sampling_params)
     # What the call may generate at most (no max_tokens: the sampler's default, its upper bound).
     cost = body.num_samples * (params["max_tokens"] or DEFAULT_MAX_TOKENS)
+    # The sampled tokens' top-k are 8 bytes a cell in the result: bounded per call, before any work.
+    if cost * body.topk_sample_logprobs > schemas.MAX_TOPK_SAMPLE_CELLS:
+        raise user_error(f"topk_sample_logprobs: num_samples x max_tokens x topk_sample_logprobs is "
+                         f"{cost * body.topk_sample_logprobs:,} cells, more than this server returns for one call "
+                         f"({schemas.MAX_TOPK_SAMPLE_CELLS:,}); ask a smaller k, fewer samples or fewer tokens")
     try:
         svc.sample_budget.reserve(user.id, cost)
     except OverBudget as error:
@@ -156,22 +164,30 @@ async def asample(body: schemas.SampleRequest, user: User = Depends(tinker_user)
         raise user_error(str(error)) from None
     request_id = uuid.uuid4().hex
     ids = [f"{request_id}:{index}" for index in range(body.num_samples)]
-    row = svc.futures.add(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id)
+    row = svc.futures.add(user.id, "Sample", extra={"sample_sequence_ids": ids}, request_id=request_id,
+                          session_id=session_id, trace_args={"sampler": body.sampling_session_id,
+                                                             "prompt_tokens": len(prompt),
+                                                             "num_samples": body.num_samples,
+                                                             "max_tokens": params["max_tokens"]})
     call = {"snapshot": snapshot, "prompt": prompt, "params": params, "user": user.id,
             "num_samples": body.num_samples, "prompt_logprobs": bool(body.prompt_logprobs),
-            "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n, "pictures": pictures}
+            "topk_prompt": body.topk_prompt_logprobs, "last_n": last_n, "pictures": pictures,
+            "topk_sample": body.topk_sample_logprobs, "alt_k": body.prompt_alt_tokens_k}
     # Reported to the session's retrieve_futures feed (a cloned sampling client: seq_id // 1e9).
     feed = None if body.sampling_session_id is None else (body.sampling_session_id, (body.seq_id or 0) // 10**9)
-    svc.spawn(_sample(svc, served, call, request_id, cost, feed))
+    usage = metering.SampleUsage(user.id, session_id, served.name, len(prompt))
+    svc.spawn(_sample(svc, served, call, request_id, cost, feed, usage))
     return row.submit_answer()
 
 
 async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request_id: str, cost: int,
-                  feed: tuple[str, int] | None) -> None:
+                  feed: tuple[str, int] | None, usage: metering.SampleUsage) -> None:
     from opentinker.server.tinker.workers import failure
 
     try:
         actor = await svc.host.sampler(served.name, served.path, served.trust_remote_code)
+        started = metering.clock()
+        svc.futures.started(request_id)  # handed to the sampler: its trace's start
         result = await await_ref(actor.sample.remote(call))
     except Exception as error:
         svc.futures.fail(request_id, *failure(error))
@@ -180,8 +196,12 @@ async def _sample(svc: TinkerService, served: Any, call: dict[str, Any], request
         return
     finally:
         svc.sample_budget.release(call["user"], cost)
-    sequences = [wire.SampledSequence(tokens, logprobs, reason) for tokens, logprobs, reason in result["sequences"]]
-    payload = wire.encode_sample_response(sequences, result.get("prompt_logprobs"), result.get("topk_prompt"))
+    metering.sampled(svc, usage, result["sequences"], started)
+    topk = result.get("sample_topk") or [None] * len(result["sequences"])
+    sequences = [wire.SampledSequence(tokens, logprobs, reason, top)
+                 for (tokens, logprobs, reason), top in zip(result["sequences"], topk)]
+    payload = wire.encode_sample_response(sequences, result.get("prompt_logprobs"), result.get("topk_prompt"),
+                                          result.get("prompt_alt"))
     svc.futures.resolve(request_id, payload, PROTOBUF)
     if feed is not None:
         svc.completions.add(call["user"], *feed, request_id, failed=False, payload_size=len(payload))

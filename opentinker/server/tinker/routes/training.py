@@ -15,7 +15,7 @@ from opentinker.engine.backend.spec import BackendSpec
 from opentinker.engine.tinker.calls import model_backend_spec
 from opentinker.server.errors import ApiError, not_found
 from opentinker.server.store import User
-from opentinker.server.tinker import openapi, schemas, wire
+from opentinker.server.tinker import metering, openapi, schemas, sharing, wire
 from opentinker.server.tinker.openapi import errors
 from opentinker.server.tinker.futures import JSON, PROTOBUF
 from opentinker.server.tinker.workers import UserError
@@ -24,7 +24,7 @@ from opentinker.server.tinker.service import ServerFull, TinkerService
 from opentinker.server.tinker.state import CheckpointRow, ModelRow, SamplerRow, unembed_adapted
 from opentinker.server.tinker.routes.common import (
     active_session,
-    owned_checkpoint,
+    readable_checkpoint,
     refuse_seq,
     service,
     submit,
@@ -49,7 +49,8 @@ def _backend_spec(svc: TinkerService, model: Any, lora: dict[str, Any]) -> Backe
 
 def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: int, base_model: str,
                  spec: dict[str, Any], metadata: dict[str, str] | None, kind: str,
-                 load: tuple[str, bool] | None = None, load_path: str | None = None) -> dict[str, Any]:
+                 load: tuple[str, bool] | None = None, load_path: str | None = None,
+                 request: Request | None = None) -> dict[str, Any]:
     model_id = f"{session_id}:train:{model_seq_id}"
     existing = svc.state.model(model_id)
     if existing is not None:  # a re-sent create: its first future (seq 0 stands for the create)
@@ -84,6 +85,9 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
     except ServerFull as error:
         raise ApiError(429, str(error), headers={"Retry-After": "10"}) from None
     svc.state.add_model(model_id, session_id, user.id, served.name, spec, metadata)
+    if request is not None:
+        svc.audit.record_request(request, "model_create", user, model_id=model_id, base_model=served.name,
+                                 lora_rank=rank, session_id=session_id, tinker_path=load_path)
     row = svc.futures.add(user.id, kind, model_id, 0)  # a new model: no future yet
     answer = {"model_id": model_id} if load_path is None else {"model_id": model_id, "path": load_path}
     svc.host.start_model(model_id, user.id, backend_spec, row.request_id, answer, load, memory)
@@ -91,7 +95,7 @@ def _start_model(svc: TinkerService, user: User, session_id: str, model_seq_id: 
 
 
 @router.post("/create_model", responses=errors(400, 404, 429))
-async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_user),
+async def create_model(request: Request, body: schemas.CreateModel, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     active_session(svc, body.session_id, user)
     if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
@@ -104,7 +108,7 @@ async def create_model(body: schemas.CreateModel, user: User = Depends(tinker_us
     spec["named_as"] = body.base_model  # get_info gives the client's own name back (the SDK's get_tokenizer)
     try:
         return _start_model(svc, user, body.session_id, body.model_seq_id, body.base_model, spec,
-                            body.user_metadata, "CreateModel")
+                            body.user_metadata, "CreateModel", request=request)
     except UserError as error:
         raise user_error(str(error)) from None
 
@@ -123,11 +127,12 @@ async def get_info(body: schemas.ModelRef, user: User = Depends(tinker_user),
 
 
 @router.post("/unload_model", responses=errors(404))
-async def unload_model(body: schemas.ModelRef, user: User = Depends(tinker_user),
+async def unload_model(request: Request, body: schemas.ModelRef, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     if svc.state.model(body.model_id, user.id) is None:
         raise not_found(f"model {body.model_id!r}")
     await svc.host.unload(body.model_id)
+    svc.audit.record_request(request, "model_unload", user, model_id=body.model_id)
     return {"model_id": body.model_id, "type": "unload_model"}
 
 
@@ -202,18 +207,22 @@ async def forward_backward(request: Request, user: User = Depends(tinker_user),
         refuse_seq(svc, message.model_id, message.seq_id or None, user)
         raise user_error(str(error)) from None
     data = [(datum.tokens, datum.inputs) for datum in call.data]
+    tokens = metering.datum_tokens(call.data)
 
     async def run(handle):
+        started = metering.clock()
         out = await handle.forward_backward(data, call.loss_fn, call.loss_config, call.forward_only)
+        metering.trained(svc, model, handle, tokens, started)
         return wire.encode_forward_backward_output(out["outputs"], out["metrics"]), PROTOBUF
 
-    return submit(svc, user, call.model_id, call.seq_id, "Forward" if call.forward_only else "ForwardBackward", run)
+    return submit(svc, user, call.model_id, call.seq_id, "Forward" if call.forward_only else "ForwardBackward", run,
+                  trace_args={"datums": len(data), "tokens": tokens})
 
 
 @router.post("/optim_step", responses=errors(400, 404, 429))
 async def optim_step(body: schemas.OptimStep, user: User = Depends(tinker_user),
                      svc: TinkerService = Depends(service)) -> dict[str, Any]:
-    usable_model(svc, body.model_id, user)
+    model = usable_model(svc, body.model_id, user)
     if body.adam_params is None:
         refuse_seq(svc, body.model_id, body.seq_id, user)
         kind = (body.optimizer_params or {}).get("type", "none")
@@ -221,7 +230,10 @@ async def optim_step(body: schemas.OptimStep, user: User = Depends(tinker_user),
     adam = body.adam_params.model_dump()
 
     async def run(handle):
-        return {"metrics": await handle.optim_step(adam), "type": "optim_step"}, JSON
+        started = metering.clock()
+        metrics = await handle.optim_step(adam)
+        metering.computed(svc, model, handle, started)
+        return {"metrics": metrics, "type": "optim_step"}, JSON
 
     return submit(svc, user, body.model_id, body.seq_id, "OptimStep", run)
 
@@ -274,8 +286,10 @@ def _save(svc: TinkerService, model: ModelRow, kind: str, name: str, user: User,
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
-            return svc.land_checkpoint(model, kind, name, user.id, folder, body.ttl_seconds, body.user_metadata,
-                                       svc.freed_by(model, replaced, ephemeral), ephemeral)
+            row = svc.land_checkpoint(model, kind, name, user.id, folder, body.ttl_seconds, body.user_metadata,
+                                      svc.freed_by(model, replaced, ephemeral), ephemeral)
+            metering.checkpoint_written(svc, model)
+            return row
         finally:
             svc.checkpoint_quota.release(token)
 
@@ -291,7 +305,7 @@ def _queue_save(svc: TinkerService, user: User, body: schemas.SaveWeights, kind:
 
 
 @router.post("/save_weights", responses=errors(400, 404, 429))
-async def save_weights(body: schemas.SaveWeights, user: User = Depends(tinker_user),
+async def save_weights(request: Request, body: schemas.SaveWeights, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """``save_state``: weights (with LoRA, the adapters) and optimizer state, loadable with
     ``create_training_client_from_state[_with_optimizer]``."""
@@ -307,16 +321,18 @@ async def save_weights(body: schemas.SaveWeights, user: User = Depends(tinker_us
         await handle.save_state(str(folder))
 
     save, token = _save(svc, model, "weights", body.path, user, body, write)
+    record = svc.audit.recorder(request, user)
 
     async def run(handle):
         row = await save(handle)
+        record("checkpoint_create", tinker_path=row.tinker_path, model_id=model.model_id, size_bytes=row.size_bytes)
         return {"path": row.tinker_path, "type": "save_weights"}, JSON
 
     return _queue_save(svc, user, body, "SaveWeights", run, token)
 
 
 @router.post("/save_weights_for_sampler", responses=errors(400, 404, 429))
-async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depends(tinker_user),
+async def save_weights_for_sampler(request: Request, body: schemas.SaveWeights, user: User = Depends(tinker_user),
                                    svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """Named (``path``): a ``tinker://…/sampler_weights/<name>`` to sample from later
     (``overwrite`` replaces one of that name). Ephemeral (``sampling_session_seq_id``): a
@@ -335,10 +351,13 @@ async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depen
         await handle.save_sampler_weights(str(folder))
 
     save, token = _save(svc, model, "sampler_weights", name, user, body, write, ephemeral)
+    record = None if ephemeral else svc.audit.recorder(request, user)  # per-step snapshots are not audited
 
     async def run(handle):
         row = await save(handle)
-        if not ephemeral:
+        if record is not None:
+            record("checkpoint_create", tinker_path=row.tinker_path, model_id=model.model_id,
+                   size_bytes=row.size_bytes)
             return {"path": row.tinker_path, "type": "save_weights_for_sampler"}, JSON
         sampler_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
         svc.state.add_sampler(SamplerRow(sampler_id, user.id, model.session_id, model.base_model, row.tinker_path))
@@ -348,33 +367,65 @@ async def save_weights_for_sampler(body: schemas.SaveWeights, user: User = Depen
     return _queue_save(svc, user, body, "SaveWeightsForSampler", run, token)
 
 
+@router.post("/save_weights_external", responses=errors(400, 404, 429))
+async def save_weights_external(request: Request, body: sharing.SaveWeightsExternal, user: User = Depends(tinker_user),
+                                svc: TinkerService = Depends(service)) -> dict[str, Any]:
+    """The model's weights as ``save_weights_for_sampler`` writes them (LoRA: a peft adapter
+    folder; else Hugging Face weights), into the operator's external folder (never a path the
+    client names), as ``tinker://…/external_weights/<name>``: a checkpoint in the caller's quota,
+    downloaded by the links ``get_external_weights_urls`` signs."""
+    model = usable_model(svc, body.model_id, user)
+    existing = svc.futures.existing(body.model_id, body.seq_id)
+    if existing is not None:
+        return existing.submit_answer()
+    problem = sharing.external_problem(body)
+    if problem:
+        refuse_seq(svc, body.model_id, body.seq_id, user)
+        raise user_error(problem)
+
+    async def write(handle, folder) -> None:
+        await handle.save_sampler_weights(str(folder))
+
+    save, token = _save(svc, model, "external_weights", body.path, user, body, write)
+    record = svc.audit.recorder(request, user)
+
+    async def run(handle):
+        row = await save(handle)
+        record("checkpoint_export", tinker_path=row.tinker_path, model_id=model.model_id, size_bytes=row.size_bytes)
+        return {"path": row.tinker_path, "size_bytes": row.size_bytes, "type": "save_weights_external"}, JSON
+
+    return _queue_save(svc, user, body, "SaveWeightsExternal", run, token)
+
+
 @router.post("/load_weights", responses=errors(400, 404, 429))
-async def load_weights(body: schemas.LoadWeights, user: User = Depends(tinker_user),
+async def load_weights(request: Request, body: schemas.LoadWeights, user: User = Depends(tinker_user),
                        svc: TinkerService = Depends(service)) -> dict[str, Any]:
     """Create a model from a ``save_state`` checkpoint (``session_id`` + ``model_seq_id``),
     with or without its optimizer state; or (legacy) load one into an existing model."""
     if body.model_id is not None:
-        return _load_into(svc, body, user)
+        return _load_into(svc, body, user, request)
     if body.session_id is None or body.model_seq_id is None:
         raise user_error("load_weights: give session_id and model_seq_id (a new model) or model_id")
     active_session(svc, body.session_id, user)
-    checkpoint = owned_checkpoint(svc, body.path, user, "weights")
-    source = svc.state.model(checkpoint.run_id, user.id)
+    # The caller's checkpoint or a published one: either way the new model is the caller's own run.
+    checkpoint = readable_checkpoint(svc, body.path, user, "weights", request, loads=True)
+    source = svc.state.model(checkpoint.run_id)
     if source is None:
         raise not_found(f"checkpoint {body.path!r}")
+    spec = {key: value for key, value in source.spec.items() if key != "copy_of"}  # a copy's run loads as its source
     try:
-        return _start_model(svc, user, body.session_id, body.model_seq_id, source.base_model, source.spec,
+        return _start_model(svc, user, body.session_id, body.model_seq_id, source.base_model, spec,
                             body.user_metadata or source.metadata, "LoadWeights",
-                            load=(checkpoint.folder, body.optimizer), load_path=body.path)
+                            load=(checkpoint.folder, body.optimizer), load_path=body.path, request=request)
     except UserError as error:
         raise user_error(str(error)) from None
 
 
-def _load_into(svc: TinkerService, body: schemas.LoadWeights, user: User) -> dict[str, Any]:
+def _load_into(svc: TinkerService, body: schemas.LoadWeights, user: User, request: Request) -> dict[str, Any]:
     model = usable_model(svc, body.model_id, user)
     try:
-        checkpoint = owned_checkpoint(svc, body.path, user, "weights")
-        source = svc.state.model(checkpoint.run_id, user.id)
+        checkpoint = readable_checkpoint(svc, body.path, user, "weights", request, loads=True)
+        source = svc.state.model(checkpoint.run_id)
         if source is None or (source.base_model, source.lora_rank) != (model.base_model, model.lora_rank):
             raise user_error(f"{body.path!r} was saved from a different model (base model or LoRA rank) than "
                               f"{model.model_id!r}")

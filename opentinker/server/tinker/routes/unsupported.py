@@ -19,26 +19,10 @@ router = tinker_router()
 
 # Known SDK routes this server does not offer, and why (a 400 the SDK shows, not a bare 404).
 UNSUPPORTED = {
-    ("POST", "save_weights_external"): "exporting weights to external storage is not offered; load the checkpoint "
-                                       "with create_training_client_from_state",
     ("POST", "create_custom_loss"): "server-side custom losses are not offered; forward_backward_custom runs them "
                                     "client-side",
-    ("POST", "copy_weights"): "copying checkpoints between runs is not offered",
     ("POST", "join_sampling_session"): "joining sampling sessions is off (sample_join_sampling_session=false)",
     ("POST", "cancel_future"): "cancelling futures is off (client/dynamic_config sample_cancel_enabled=false)",
-    ("POST", "auth/token"): "JWT exchange is off (client/config pjwt_auth_enabled=false): send the API key itself",
-    ("PUT", "sessions/{session_id}/project"): "projects are not offered",
-    ("GET", "sessions/{session_id}/trace_export"): "session traces are not recorded",
-    ("POST", "sessions/search"): "session search is not offered; list_sessions lists your sessions",
-    ("GET", "audit"): "there is no audit log on this server",
-    ("GET", "billing/usage/events"): "there is no billing on this server",
-    ("GET", "billing/usage/checkpoints/current"): "there is no billing on this server",
-    ("GET", "training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls"):
-        "checkpoints are not served as download URLs",
-    ("POST", "training_runs/{run_id}/checkpoints/{kind}/{name}/publish"): "checkpoints cannot be made public here",
-    ("DELETE", "training_runs/{run_id}/checkpoints/{kind}/{name}/publish"): "checkpoints cannot be made public here",
-    ("PUT", "training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"): "a checkpoint's TTL is set when it is saved "
-                                                                     "(ttl_seconds)",
 }
 
 def _unsupported(name: str, reason: str):
