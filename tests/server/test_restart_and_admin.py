@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import ray
 
 from opentinker.server import auth
@@ -168,3 +169,53 @@ def test_serve_runs_as_a_process_on_loopback(ray_cluster, tmp_path):
     assert f"listening on {url}" in output
     assert "Application shutdown complete" in output  # SIGTERM ran the lifespan's shutdown
     assert process.returncode in (0, -15), output  # uvicorn re-raises the signal it caught
+
+
+def test_restart_keeps_what_is_shared_metered_and_audited(start_server, tmp_path, helpers):
+    """Published checkpoints, projects, usage, the audit log and the signing keys live in the
+    store: after a restart another user still loads the published checkpoint, the owner's
+    usage and audit entries are all there, and a download link signed before still works."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    owner_key, reader_key = helpers.make_user(tmp_path, "olga"), helpers.make_user(tmp_path, "rita")
+    tokens = [1, 5, 9, 12, 40, 41]
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    first = start_server(tmp_path)
+    service = tinker.ServiceClient(project_id="keep", base_url=first.url, api_key="tml-" + owner_key)
+    training = service.create_lora_training_client(base_model="opentinker-tiny-arith", rank=4).result()
+    for _ in range(2):
+        training.forward_backward([datum], "cross_entropy").result()
+    sampler_path = training.save_weights_for_sampler("shared").result().path
+    external = training.save_weights_external("export").result().path
+    rest = tinker.RestClient(base_url=first.url, api_key="tml-" + owner_key)
+    rest.publish_checkpoint_from_tinker_path(sampler_path).result()
+    links = rest.get_external_weights_urls(external).result().urls
+    session_id = service.holder.get_session_id()
+    admin = tinker.AdminClient(base_url=first.url, api_key="tml-" + owner_key)  # olga's own entries and usage
+    audit_before = [(e.event, e.timestamp) for e in admin.get_audit_log().result().entries]
+    service.close("success").result()
+    first.stop()
+
+    second = start_server(tmp_path)
+    rest = tinker.RestClient(base_url=second.url, api_key="tml-" + owner_key)
+    admin = tinker.AdminClient(base_url=second.url, api_key="tml-" + owner_key)
+    assert [(e.event, e.timestamp) for e in admin.get_audit_log().result().entries][:len(audit_before)] == audit_before
+    hour = lambda offset: time.strftime("%Y-%m-%dT%H:00:00Z", time.gmtime(time.time() + offset))  # noqa: E731
+    usage = admin.get_billing_usage(hour(-7200), hour(3600)).result()
+    trained = sum(e.event_info.token_count for e in usage.data if e.event_info.type == "training")
+    assert trained == 2 * (len(tokens) - 1)
+    [found] = rest.search_sessions(types.SessionSearchRequest(session_id=session_id)).result().sessions
+    assert found.project_id == "keep"
+    assert [c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints
+            if c.tinker_path == sampler_path] == [True]
+    reader = tinker.ServiceClient(base_url=second.url, api_key="tml-" + reader_key)
+    sampled = reader.create_sampling_client(model_path=sampler_path).result().sample(
+        types.ModelInput.from_ints(tokens[:3]), 1, types.SamplingParams(max_tokens=2, seed=0)).result()
+    assert len(sampled.sequences[0].tokens) == 2
+    reader.close("success").result()
+    for link in links.values():  # signed by the first process, under the key kept in the store
+        link = link.replace(first.url, second.url)
+        assert httpx.get(link, timeout=30, trust_env=False).status_code == 200, link
