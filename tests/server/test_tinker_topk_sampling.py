@@ -33,16 +33,17 @@ def model():
 
     from opentinker.tiny import ensure_tiny_model
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32).eval()
-    torch.set_grad_enabled(False)
-    return loaded
+    # Never torch.set_grad_enabled(False) here: it is the process's, and later tests in the
+    # same xdist worker train (their backward found no graph).
+    return AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32).eval()
 
 
 def reference_logprobs(model, tokens: list[int], temperature: float) -> np.ndarray:
     """[len(tokens), vocab]: row i is the log-softmax, at ``temperature``, of the token after tokens[:i+1]."""
     import torch
 
-    logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
     return torch.log_softmax(logits / (temperature or 1.0), dim=-1).numpy()
 
 
