@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from opentinker.server.accounting.usage import HOUR, TOKEN_KINDS, UsageBucket, estimated_cost
+from opentinker.server.accounting.usage import HOUR, TOKEN_KINDS, UsageBucket
 from opentinker.server.store import Store
 
 UNITS = {"training": "tokens", "sampling_prefill": "tokens", "sampling_sample": "tokens", "compute_s": "seconds",
@@ -106,10 +106,6 @@ def totals(store: Store, *, user_id: int | None, start: float, end: float, kinds
     return [(r["user_name"], r["kind"], float(r["quantity"])) for r in rows]
 
 
-def cost(kind: str, quantity: float, prices: Mapping[str, float]) -> float | None:
-    return None if not prices else estimated_cost(kind, quantity, prices)
-
-
 def columns(store: Store, table: str) -> set[str]:
     return {row["name"] for row in store.query(f"PRAGMA table_info({table})")}
 
@@ -192,5 +188,5 @@ def hour_window(days: float, now: float) -> tuple[float, float]:
     return end - days * 86400.0, end
 
 
-__all__ = ["TOKEN_KINDS", "UNITS", "WindowError", "check_window", "checkpoint_storage", "cost", "hour_window", "iso",
+__all__ = ["TOKEN_KINDS", "UNITS", "WindowError", "check_window", "checkpoint_storage", "hour_window", "iso",
            "read_buckets", "session_facts", "totals", "utc_datetime"]

@@ -13,12 +13,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
 from opentinker.json_value import MAX_INT
-from opentinker.server.accounting.usage import KINDS
+from opentinker.server.accounting.usage import KINDS, estimated_cost
 from opentinker.server.accounting.usage_views import (
     UNITS,
     WindowError,
     check_window,
-    cost,
     iso,
     read_buckets,
     totals,
@@ -103,12 +102,12 @@ async def usage(
     return UsageReport(
         start=iso(first), end=iso(last), user=None if whose is None else (user or caller.name),
         totals=[UsageTotal(user=name, kind=kind, unit=UNITS[kind], quantity=quantity,
-                           estimated_cost_usd=cost(kind, quantity, prices))
+                           estimated_cost_usd=estimated_cost(kind, quantity, prices))
                 for name, kind, quantity in totals(store, **filters)],
         buckets=[UsageBucketInfo(hour=iso(b.hour), user=b.user_name, job_id=b.job_id or None,
                                  session_id=b.session_id or None, base_model=b.base_model or None, kind=b.kind,
                                  unit=UNITS[b.kind], cached=b.cached, quantity=b.quantity,
-                                 estimated_cost_usd=cost(b.kind, b.quantity, prices)) for b in page[:limit]],
+                                 estimated_cost_usd=estimated_cost(b.kind, b.quantity, prices)) for b in page[:limit]],
         next_offset=offset + limit if len(page) > limit else None,
     )
 

@@ -14,18 +14,18 @@ from typing import Any
 
 from fastapi import Depends, Query
 
-from opentinker.server.accounting.usage import HOUR, TOKEN_KINDS, UsageBucket
+from opentinker.server.accounting.usage import HOUR, TOKEN_KINDS, UsageBucket, estimated_cost
 from opentinker.server.accounting.usage_views import (
     WindowError,
     check_window,
     checkpoint_storage,
-    cost,
     iso,
     read_buckets,
     session_facts,
     utc_datetime,
 )
 from opentinker.server.store import User
+from opentinker.server.tinker.identity import URN_PREFIX  # the SDK's user urn, as the identity tokens' subject
 from opentinker.server.tinker.openapi import errors
 from opentinker.server.tinker.routes.common import service, tinker_router, tinker_user, user_error
 from opentinker.server.tinker.service import TinkerService
@@ -35,7 +35,6 @@ router = tinker_router()
 SDK_KINDS = ("training", "sampling_prefill", "sampling_sample", "checkpoint", "storage")
 MAX_DAYS = 14  # the SDK's documented window
 MAX_EVENTS = 20_000  # one answer's events (about 8 MB of JSON); a longer answer: ask a shorter window
-URN_PREFIX = "tml:user:"  # the SDK's organization-user urn (as the identity tokens' subject)
 
 
 def _event_info(bucket: UsageBucket) -> dict[str, Any]:
@@ -54,7 +53,7 @@ def _event(bucket: UsageBucket, project_id: str | None, prices: dict[str, float]
         "bucket_start": iso(bucket.hour), "bucket_end": iso(bucket.hour + HOUR),
         "base_model": bucket.base_model or None, "user_id": URN_PREFIX + bucket.user_name,
         "user_name": bucket.user_name, "session_id": bucket.session_id or None, "project_id": project_id,
-        "estimated_cost_usd": cost(bucket.kind, bucket.quantity, prices),
+        "estimated_cost_usd": estimated_cost(bucket.kind, bucket.quantity, prices),
         "effective_rate_usd_per_million_tokens": rate if bucket.kind in TOKEN_KINDS else None,
         "effective_rate_usd_per_gigabyte_month": rate if bucket.kind == "storage" else None,
         "event_info": _event_info(bucket),
